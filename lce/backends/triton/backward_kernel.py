@@ -1,0 +1,105 @@
+"""Backward stage, part 1: recompute a ``[T, chunk]`` logits block and write its d_logits.
+
+``d_z = g_lp * (onehot - p) - g_ent * p * (z - expected_logit)`` in fp32, ``d_logits = d_z / temp``,
+stored once in the weight's dtype so the two gradient GEMMs (`stages`) run on tensor cores. The
+buffer is one vocab chunk, never ``[T, V]`` unless V fits the chunk budget.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lce.backends.triton.config import TritonConfig, interpreting
+from lce.backends.triton.tiles import grouped_tile, logits_tile
+
+
+@triton.jit
+def _dlogits_kernel(
+    hidden_ptr,
+    weight_ptr,
+    targets_ptr,
+    lse_ptr,
+    expected_ptr,
+    grad_logprob_ptr,
+    grad_entropy_ptr,
+    dlogits_ptr,
+    T,
+    C,
+    H,
+    chunk_start,
+    inv_temp,
+    stride_ht,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    stride_glp,
+    stride_gent,
+    stride_dt,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GROUP: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_t, pid_v = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.cdiv(C, BLOCK_V), GROUP)
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_t = offs_t < T
+    in_v = offs_v < C
+    rows = offs_t % T
+    acc = logits_tile(
+        hidden_ptr, weight_ptr, rows, offs_v % C, H, stride_ht, stride_hh, stride_wv, stride_wh,
+        BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, UPCAST, PRECISION,
+    )  # fmt: skip
+    z = acc * inv_temp
+    lse = tl.load(lse_ptr + rows)
+    expected = tl.load(expected_ptr + rows)
+    g_lp = tl.load(grad_logprob_ptr + rows * stride_glp)
+    g_ent = tl.load(grad_entropy_ptr + rows * stride_gent)
+    local_target = tl.load(targets_ptr + rows) - chunk_start
+    p = tl.exp(z - lse[:, None])
+    onehot = tl.where(offs_v[None, :] == local_target[:, None], 1.0, 0.0)
+    d_z = g_lp[:, None] * (onehot - p) - g_ent[:, None] * p * (z - expected[:, None])
+    # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed.
+    active = (g_lp != 0.0) | (g_ent != 0.0)
+    d_logits = tl.where(active[:, None], d_z * inv_temp, 0.0)
+    out = dlogits_ptr + offs_t[:, None] * stride_dt + offs_v[None, :]
+    tl.store(out, d_logits.to(dlogits_ptr.dtype.element_ty), mask=in_t[:, None] & in_v[None, :])
+
+
+def dlogits_chunk(
+    hidden: torch.Tensor,
+    weight_chunk: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_start: int,
+    temperature: float,
+    lse: torch.Tensor,
+    expected_logit: torch.Tensor,
+    grad_logprob: torch.Tensor,
+    grad_entropy: torch.Tensor,
+    out: torch.Tensor,
+    config: TritonConfig,
+) -> None:
+    """Write d_logits of vocab rows ``weight_chunk`` (global ids from ``chunk_start``) into ``out``.
+
+    ``out`` is ``[T, C]`` with unit column stride; ``grad_logprob``/``grad_entropy`` fp32 ``[T]``
+    of any stride; ``targets`` int64 contiguous.
+    """
+    (num_tokens, hidden_size), chunk = hidden.shape, weight_chunk.shape[0]
+    tiles = config.backward
+    grid = (triton.cdiv(num_tokens, tiles.block_t) * triton.cdiv(chunk, tiles.block_v),)
+    _dlogits_kernel[grid](
+        hidden, weight_chunk, targets, lse, expected_logit, grad_logprob, grad_entropy, out,
+        num_tokens, chunk, hidden_size, chunk_start, 1.0 / temperature,
+        hidden.stride(0), hidden.stride(1), weight_chunk.stride(0), weight_chunk.stride(1),
+        grad_logprob.stride(0), grad_entropy.stride(0), out.stride(0),
+        BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
+        EVEN_H=hidden_size % tiles.block_h == 0,
+        UPCAST=interpreting() and weight_chunk.dtype == torch.bfloat16,
+        PRECISION=config.fp32_precision,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip

@@ -1,0 +1,84 @@
+"""Block sizes and numeric flags of the Triton kernels, chosen per run mode (interpreter or GPU)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+FP32_PRECISIONS = ("ieee", "tf32")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``, read at call time)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class TileShape:
+    """One kernel's tile: ``block_t`` tokens x ``block_v`` vocab rows, H stepped by ``block_h``.
+
+    ``group`` token tiles are scheduled side by side so they share weight tiles in L2.
+    """
+
+    block_t: int
+    block_v: int
+    block_h: int
+    group: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_t", "block_v", "block_h"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
+        if self.group < 1:
+            raise ValueError(f"group must be >= 1, got {self.group}")
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """Everything the Triton stages can be tuned with.
+
+    ``tiles_per_program``: vocab tiles one forward program sweeps with its online softmax (the
+    forward workspace is ``4 * T * ceil(V / (block_v * tiles_per_program))`` fp32).
+    ``chunk_bytes``: budget of the backward ``[T, chunk]`` d_logits buffer (weight's dtype).
+    ``fp32_precision``: ``tl.dot`` mode for fp32 inputs; ``ieee`` (default) matches an fp32
+    reference, ``tf32`` is faster and ~3e-4 relative. Low-precision inputs ignore it.
+    """
+
+    forward: TileShape
+    backward: TileShape
+    tiles_per_program: int = 8
+    chunk_bytes: int = 256 << 20
+    fp32_precision: str = "ieee"
+
+    def __post_init__(self) -> None:
+        if self.fp32_precision not in FP32_PRECISIONS:
+            raise ValueError(
+                f"fp32_precision must be one of {FP32_PRECISIONS}, got {self.fp32_precision!r}"
+            )
+        if self.tiles_per_program < 1:
+            raise ValueError(f"tiles_per_program must be >= 1, got {self.tiles_per_program}")
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+
+
+# The interpreter pays ~10 ms per program step whatever the block size: few, large tiles.
+INTERPRETER_CONFIG = TritonConfig(
+    forward=TileShape(block_t=64, block_v=256, block_h=64, num_warps=4, num_stages=1),
+    backward=TileShape(block_t=64, block_v=256, block_h=64, num_warps=4, num_stages=1),
+    tiles_per_program=4,
+    chunk_bytes=1 << 20,
+)
+
+# Hopper (H100/H200) bf16, picked by benchmarks/kernel_gpu.py's sweep (see docs/bench/triton.md).
+GPU_CONFIG = TritonConfig(
+    forward=TileShape(block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=4),
+    backward=TileShape(block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=4),
+)
+
+
+def default_config() -> TritonConfig:
+    """Large tiles under the interpreter, the tuned GPU tiles otherwise."""
+    return INTERPRETER_CONFIG if interpreting() else GPU_CONFIG

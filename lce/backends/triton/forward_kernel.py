@@ -1,0 +1,129 @@
+"""Forward stage: vocab-split online softmax over logits tiles, then a merge of the splits.
+
+Each program owns ``block_t`` tokens x ``tiles_per_program`` vocab tiles and writes four fp32
+partials per token (max, sumexp, centred sumexp_z, target logit); `merge_partials` folds the splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lce.backends.base import ShardStats
+from lce.backends.triton.config import TritonConfig, interpreting
+from lce.backends.triton.tiles import grouped_tile, logits_tile
+
+
+@triton.jit
+def _forward_partials_kernel(
+    hidden_ptr,
+    weight_ptr,
+    targets_ptr,
+    partials_ptr,
+    T,
+    V,
+    H,
+    vocab_start,
+    inv_temp,
+    num_splits,
+    tiles_per_split,
+    plane,
+    stride_ht,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GROUP: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_t, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_T), num_splits, GROUP)
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_t = offs_t < T
+    rows = offs_t % T
+    local_target = tl.load(targets_ptr + rows) - vocab_start  # -1 (ignored) matches no column
+
+    row_max = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
+    sumexp = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    sumexp_z = tl.zeros((BLOCK_T,), dtype=tl.float32)  # sum exp(z - row_max) * (z - row_max)
+    target_logit = tl.zeros((BLOCK_T,), dtype=tl.float32)
+
+    first_tile = pid_s * tiles_per_split
+    num_tiles = min(tiles_per_split, tl.cdiv(V, BLOCK_V) - first_tile)
+    for i in range(0, num_tiles):
+        offs_v = (first_tile + i).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        in_v = offs_v < V
+        acc = logits_tile(
+            hidden_ptr, weight_ptr, rows, offs_v % V, H, stride_ht, stride_hh, stride_wv,
+            stride_wh, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, UPCAST, PRECISION,
+        )  # fmt: skip
+        z = acc * inv_temp
+        is_target = (offs_v[None, :] == local_target[:, None]) & in_v[None, :]
+        target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+        z = tl.where(in_v[None, :], z, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(z, axis=1))
+        # Every tile holds >= 1 real column, so new_max is finite for finite logits; the guards
+        # keep -inf rows (empty history) from producing inf - inf.
+        seen = row_max > float("-inf")
+        shift = tl.where(seen, row_max - new_max, 0.0)
+        scale = tl.where(seen, tl.exp(shift), 0.0)
+        centred = tl.where(in_v[None, :], z - new_max[:, None], 0.0)
+        e = tl.where(in_v[None, :], tl.exp(centred), 0.0)
+        sumexp_z = scale * (sumexp_z + shift * sumexp) + tl.sum(e * centred, axis=1)
+        sumexp = scale * sumexp + tl.sum(e, axis=1)
+        row_max = new_max
+
+    out = partials_ptr + pid_s.to(tl.int64) * T + offs_t
+    tl.store(out, row_max, mask=in_t)
+    out += plane  # plane = splits * T; stepping by it keeps every offset in range
+    tl.store(out, sumexp, mask=in_t)
+    out += plane
+    tl.store(out, sumexp_z, mask=in_t)
+    out += plane
+    tl.store(out, target_logit, mask=in_t)
+
+
+def merge_partials(partials: torch.Tensor) -> ShardStats:
+    """Fold ``[4, splits, T]`` per-split partials into one `ShardStats` (sumexp_z centred)."""
+    split_max, split_sumexp, split_sumexp_z, split_target = partials.unbind(0)
+    row_max = split_max.amax(dim=0)
+    seen = split_max > float("-inf")
+    shift = torch.where(seen, split_max - row_max, torch.zeros_like(split_max))
+    scale = torch.where(seen, torch.exp(shift), torch.zeros_like(split_max))
+    sumexp = (scale * split_sumexp).sum(dim=0)
+    sumexp_z = (scale * (split_sumexp_z + shift * split_sumexp)).sum(dim=0)
+    return ShardStats(row_max, sumexp, sumexp_z, split_target.sum(dim=0))
+
+
+def forward_partials(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    temperature: float,
+    config: TritonConfig,
+) -> torch.Tensor:
+    """fp32 ``[4, splits, T]`` partial statistics; needs T >= 1 and V >= 1."""
+    (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
+    tiles = config.forward
+    num_vocab_tiles = triton.cdiv(vocab_local, tiles.block_v)
+    tiles_per_split = min(config.tiles_per_program, num_vocab_tiles)
+    num_splits = triton.cdiv(num_vocab_tiles, tiles_per_split)
+    partials = torch.empty(4, num_splits, num_tokens, dtype=torch.float32, device=hidden.device)
+    grid = (triton.cdiv(num_tokens, tiles.block_t) * num_splits,)
+    _forward_partials_kernel[grid](
+        hidden, weight, targets, partials,
+        num_tokens, vocab_local, hidden_size, vocab_start, 1.0 / temperature,
+        num_splits, tiles_per_split, num_splits * num_tokens,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
+        EVEN_H=hidden_size % tiles.block_h == 0,
+        UPCAST=interpreting() and weight.dtype == torch.bfloat16,
+        PRECISION=config.fp32_precision,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return partials

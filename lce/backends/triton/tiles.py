@@ -1,0 +1,69 @@
+"""Triton helpers shared by the forward and backward kernels: tile scheduling and one logits tile.
+
+Everything here is ``@triton.jit`` device code; the torch-side launchers live in the kernel modules.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_tile(pid, num_row_tiles, num_col_tiles, GROUP: tl.constexpr):
+    """Map a flat program id to (token tile, vocab tile) so GROUP token tiles share each vocab tile.
+
+    Programs that run together then reuse the same weight tiles from L2 (the GEMM "swizzle").
+    """
+    width = GROUP * num_col_tiles
+    group_id = pid // width
+    first_row = group_id * GROUP
+    group_rows = min(num_row_tiles - first_row, GROUP)
+    row = first_row + (pid % width) % group_rows
+    col = (pid % width) // group_rows
+    return row, col
+
+
+@triton.jit
+def logits_tile(
+    hidden_ptr,
+    weight_ptr,
+    rows,
+    cols,
+    H,
+    stride_ht,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """fp32 ``[BLOCK_T, BLOCK_V]`` tile of ``hidden[rows] @ weight[cols].T`` (no temperature).
+
+    ``rows``/``cols`` are int64 indices already clamped into range (padded lanes repeat a valid
+    row/column; callers mask them). The H loop masks its tail unless ``EVEN_H``.
+    """
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ptrs = hidden_ptr + rows[:, None] * stride_ht + offs_h[None, :] * stride_hh
+    w_ptrs = weight_ptr + cols[None, :] * stride_wv + offs_h[:, None] * stride_wh
+    acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_H)):
+        if EVEN_H:
+            h = tl.load(h_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            in_h = offs_h + k * BLOCK_H < H
+            h = tl.load(h_ptrs, mask=in_h[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_h[:, None], other=0.0)
+        if UPCAST:
+            # TRITON_INTERPRET=1 computes bf16 tl.dot wrongly; fp32 operands are exact there.
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(h, w, acc, input_precision=PRECISION)
+        h_ptrs += BLOCK_H * stride_hh
+        w_ptrs += BLOCK_H * stride_wh
+    return acc

@@ -1,0 +1,112 @@
+"""Public entry points: validate, pick the backend, flatten ``[B, T, H]``, reduce. No math here."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from lce.autograd import FusedLogprobEntropy
+from lce.backends import get_stages, resolve_backend_name
+from lce.options import LCEOptions
+from lce.tp import resolve_shard
+from lce.validation import check_inputs, check_reduction
+
+
+class TokenOutputs(NamedTuple):
+    """Per-token fp32 outputs, shaped like ``targets``; exactly 0 where the target is ignored."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    reduce_grad_hidden: bool = True,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+) -> TokenOutputs:
+    """Per-token log-prob of the target and entropy, never materializing ``[T, V]`` logits.
+
+    ``z = (hidden @ weight.T) / temperature``; ``logprobs = z_y - logsumexp(z)``;
+    ``entropy = logsumexp(z) - sum_j softmax(z)_j z_j``. Both are differentiable w.r.t. ``hidden``
+    and ``weight`` with any upstream gradients.
+
+    Args:
+        hidden: ``[T, H]`` or ``[B, T, H]``; cast to ``weight``'s dtype for the matmul like a linear
+            layer; its gradient comes back in its own dtype.
+        weight: this rank's LM-head rows ``[V_local, H]`` (the whole ``[V, H]`` without TP).
+        targets: global token ids shaped like ``hidden`` without its last dim. Ids outside
+            ``[0, V)`` that are not ``ignore_index`` raise ``ValueError``.
+        tp_group: vocab-parallel group; ``None`` (or a group of one) means no TP.
+        vocab_start: first global id of this rank's rows; default ``tp_rank * V_local``.
+        reduce_grad_hidden: sum grad_hidden over the TP group (fp32) in backward; False leaves it
+            partial for a caller that reduce-scatters (sequence parallel).
+        backend: ``"auto"`` (Triton on CUDA if installed, else torch), ``"torch"`` or ``"triton"``.
+        chunk_size: tokens per chunk of the torch backend (default: ~64 MiB of fp32 logits).
+    """
+    options = LCEOptions(
+        ignore_index, temperature, tp_group, vocab_start, reduce_grad_hidden, backend, chunk_size
+    )
+    return _token_outputs(hidden, weight, targets, options)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    reduce_grad_hidden: bool = True,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T / temperature`` against ``targets``, fp32.
+
+    ``reduction``: ``"none"`` (per token, 0 where ignored), ``"sum"``, or ``"mean"`` over
+    non-ignored tokens (NaN if all are ignored, as in PyTorch, with exactly zero gradients).
+    Other arguments as in `token_logprobs`.
+    """
+    check_reduction(reduction)
+    options = LCEOptions(
+        ignore_index, temperature, tp_group, vocab_start, reduce_grad_hidden, backend, chunk_size
+    )
+    logprobs = _token_outputs(hidden, weight, targets, options).logprobs
+    if reduction == "none":
+        return -logprobs
+    total = -logprobs.sum()
+    if reduction == "sum":
+        return total
+    return total / (targets != ignore_index).sum()
+
+
+def _token_outputs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, options: LCEOptions
+) -> TokenOutputs:
+    check_inputs(hidden, weight, targets, options)
+    backend = resolve_backend_name(options.backend, hidden.device)
+    stages = get_stages(backend, hidden.device, options.chunk_size)
+    shard = resolve_shard(options.tp_group, options.vocab_start, weight.shape[0])
+    logprobs, entropy = FusedLogprobEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1),
+        options.ignore_index,
+        options.temperature,
+        shard,
+        options.reduce_grad_hidden,
+        stages,
+    )
+    return TokenOutputs(logprobs.view(targets.shape), entropy.view(targets.shape))

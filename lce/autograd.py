@@ -1,0 +1,86 @@
+"""The one autograd function every backend runs through: stages, TP merge, masking, grad casts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lce.backends.base import StageBackend
+from lce.tp import VocabShard, merge_stats, reduce_grad_hidden
+from lce.validation import raise_on_bad_targets
+
+# Kernel-side id of an ignored token: owned by no shard, so it adds nothing anywhere.
+IGNORED = -1
+
+
+class FusedLogprobEntropy(torch.autograd.Function):
+    """``(logprobs, entropy)`` fp32 ``[T]`` of ``log_softmax(hidden @ weight.T / temperature)``.
+
+    Ignored rows give exactly 0 in both outputs and gradients. grad_hidden is returned in hidden's
+    dtype (summed over the TP group unless ``reduce_hidden`` is False); grad_weight in weight's.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        ignore_index: int,
+        temperature: float,
+        shard: VocabShard,
+        reduce_hidden: bool,
+        stages: StageBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ignored = targets == ignore_index
+        kernel_targets = torch.where(ignored, IGNORED, targets.long())
+        compute_hidden = hidden.to(weight.dtype)
+        stats = stages.forward_stats(
+            compute_hidden, weight, kernel_targets, shard.vocab_start, temperature
+        )
+        local = kernel_targets - shard.vocab_start
+        owned = (local >= 0) & (local < shard.vocab_local)
+        merged = merge_stats(stats, owned, shard.group)
+        raise_on_bad_targets(targets, ignored | (merged.owners == 1), ignore_index)
+        zero = torch.zeros_like(merged.lse)
+        logprobs = torch.where(ignored, zero, merged.target_logit - merged.lse)
+        entropy = torch.where(ignored, zero, merged.entropy)
+        ctx.save_for_backward(
+            compute_hidden, weight, kernel_targets, merged.lse, merged.expected_logit
+        )
+        ctx.hidden_dtype = hidden.dtype
+        ctx.settings = (temperature, shard, reduce_hidden, stages)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        compute_hidden, weight, kernel_targets, lse, expected_logit = ctx.saved_tensors
+        temperature, shard, reduce_hidden, stages = ctx.settings
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        active = kernel_targets != IGNORED
+        zero = torch.zeros_like(lse)
+        grad_logprob = zero if grad_logprob is None else torch.where(active, grad_logprob, zero)
+        grad_entropy = zero if grad_entropy is None else torch.where(active, grad_entropy, zero)
+        grad_hidden, grad_weight = stages.backward_grads(
+            compute_hidden,
+            weight,
+            kernel_targets,
+            shard.vocab_start,
+            temperature,
+            lse,
+            expected_logit,
+            grad_logprob,
+            grad_entropy,
+            need_hidden,
+            need_weight,
+        )
+        if grad_hidden is not None:
+            if reduce_hidden:
+                reduce_grad_hidden(grad_hidden, shard.group)
+            grad_hidden = grad_hidden.to(ctx.hidden_dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None

@@ -1,0 +1,93 @@
+"""Vocab-parallel tensor parallelism: the slice of the vocabulary a rank owns, and the collectives.
+
+Forward: one MAX all-reduce of the per-token max, then one packed SUM of (sumexp, sumexp_z, target).
+Backward: grad_hidden is the SUM over ranks (fp32), unless the caller reduce-scatters it itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lce.backends.base import ShardStats
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows of the LM head: global ids ``[vocab_start, vocab_start + vocab_local)``."""
+
+    group: dist.ProcessGroup | None
+    vocab_start: int
+    vocab_local: int
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+
+def resolve_shard(
+    tp_group: dist.ProcessGroup | None, vocab_start: int | None, vocab_local: int
+) -> VocabShard:
+    """Shard of the calling rank; ``vocab_start`` defaults to ``tp_rank * vocab_local``."""
+    if tp_group is not None and not dist.is_initialized():
+        raise ValueError("tp_group was given but torch.distributed is not initialized")
+    if tp_group is not None and dist.get_world_size(tp_group) == 1:
+        tp_group = None
+    if vocab_start is None:
+        vocab_start = 0 if tp_group is None else dist.get_rank(tp_group) * vocab_local
+    if vocab_start < 0:
+        raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    return VocabShard(tp_group, int(vocab_start), vocab_local)
+
+
+@dataclass(frozen=True)
+class GlobalStats:
+    """Per-token fp32 ``[T]`` softmax statistics over the whole vocabulary."""
+
+    lse: torch.Tensor
+    target_logit: torch.Tensor
+    expected_logit: torch.Tensor  # sum_j p_j z_j
+    entropy: torch.Tensor  # lse - expected_logit, computed without cancellation
+    owners: torch.Tensor  # how many shards hold the target id: 1 if valid, 0 if outside [0, V)
+
+
+def merge_stats(
+    stats: ShardStats, target_owned: torch.Tensor, group: dist.ProcessGroup | None
+) -> GlobalStats:
+    """Combine each rank's shard stats: one MAX all-reduce, then one packed SUM all-reduce.
+
+    ``target_owned`` is a bool ``[T]``: this rank's shard holds the token's target id.
+    """
+    global_max = stats.max.clone()
+    if group is not None:
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    # A rank whose shard is empty (or whose row is all -inf) has max = -inf: it must add exactly 0.
+    owned = torch.isfinite(stats.max)
+    shift = torch.where(owned, stats.max - global_max, torch.zeros_like(global_max))
+    scale = torch.where(owned, torch.exp(shift), torch.zeros_like(shift))
+    # Re-centre sum exp(z - m_r) (z - m_r) on the global max M: add (m_r - M) * sumexp.
+    sumexp_z = scale * (stats.sumexp_z + shift * stats.sumexp)
+    packed = torch.stack(
+        [stats.sumexp * scale, sumexp_z, stats.target_logit, target_owned.to(sumexp_z.dtype)]
+    )
+    if group is not None:
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    sumexp, sumexp_z, target_logit, owners = packed.unbind(0)
+    log_sumexp = torch.log(sumexp)
+    centred_expectation = sumexp_z / sumexp
+    return GlobalStats(
+        lse=global_max + log_sumexp,
+        target_logit=target_logit,
+        expected_logit=global_max + centred_expectation,
+        entropy=log_sumexp - centred_expectation,
+        owners=owners,
+    )
+
+
+def reduce_grad_hidden(grad_hidden: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum the per-rank partial ``grad_hidden`` (fp32) over the TP group, in place."""
+    if group is not None:
+        dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=group)
+    return grad_hidden

@@ -1,0 +1,65 @@
+"""Input checks of the public API: each error names the argument and says how to fix it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lce.options import REDUCTIONS, LCEOptions
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, options: LCEOptions
+) -> None:
+    """Shapes, dtypes, devices and options; target *values* are checked after the shard merge."""
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [T, H] or [B, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(
+            f"weight must be the [V_local, H] LM-head shard, got {tuple(weight.shape)}"
+        )
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden's last dim ({hidden.shape[-1]}) must equal weight's dim 1 "
+            f"({weight.shape[1]}); "
+            "pass weight as [vocab, hidden] (not transposed)"
+        )
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets must have shape {tuple(hidden.shape[:-1])} (hidden without its last dim), "
+            f"got {tuple(targets.shape)}"
+        )
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be int64 or int32 token ids, got {targets.dtype}")
+    for name, tensor in (("hidden", hidden), ("weight", weight)):
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"{name} must be a floating tensor in {FLOAT_DTYPES}, got {tensor.dtype}"
+            )
+    if not hidden.device == weight.device == targets.device:
+        raise ValueError(
+            f"hidden, weight and targets must be on one device, got {hidden.device}, "
+            f"{weight.device}, {targets.device}"
+        )
+    if not (math.isfinite(options.temperature) and options.temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {options.temperature}")
+
+
+def check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def raise_on_bad_targets(targets: torch.Tensor, valid: torch.Tensor, ignore_index: int) -> None:
+    """Raise if a non-ignored target id is owned by no vocab shard (outside ``[0, V)``)."""
+    bad = ~valid
+    if bool(bad.any()):
+        bad_ids = torch.unique(targets[bad]).tolist()
+        shown = ", ".join(str(i) for i in bad_ids[:10]) + (" ..." if len(bad_ids) > 10 else "")
+        raise ValueError(
+            f"targets holds ids outside the vocabulary [0, V) that are not ignore_index="
+            f"{ignore_index}: {shown}; fix the labels or mark them with ignore_index"
+        )

@@ -1,0 +1,115 @@
+"""Load and validate ``tolerances.yaml``: the per-dtype, per-output numbers every verdict uses."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+import yaml
+
+DEFAULT_PATH = Path(__file__).resolve().parents[1] / "tolerances.yaml"
+DTYPES = ("fp32", "bf16", "fp16", "fp32_bf16", "fp64")
+OUTPUTS = ("logprobs", "entropy", "loss", "grad_hidden", "grad_weight")
+FIELDS = ("alpha", "floor", "atol", "rtol")
+EXACT_FIELDS = ("ignored", "invariance_fp64")
+_SHORT = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float64: "fp64",
+}
+
+
+class ToleranceFileError(ValueError):
+    """tolerances.yaml is malformed; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """One ``dtype x output`` entry: ratio tier (alpha, floor) and envelope tier (atol, rtol)."""
+
+    alpha: float
+    floor: float
+    atol: float
+    rtol: float
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    entries: dict[str, dict[str, Tolerance]]
+    exact: dict[str, float]
+    source: str
+
+    def get(self, dtype_key: str, output: str) -> Tolerance:
+        return self.entries[dtype_key][output]
+
+
+def dtype_key(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> str:
+    """``fp32``, ``bf16``, ... for equal dtypes; ``fp32_bf16`` for fp32 hidden x bf16 weight."""
+    if hidden_dtype == weight_dtype:
+        return _SHORT[hidden_dtype]
+    key = f"{_SHORT[hidden_dtype]}_{_SHORT[weight_dtype]}"
+    if key not in DTYPES:
+        raise ValueError(f"no tolerance entry for hidden {hidden_dtype} x weight {weight_dtype}")
+    return key
+
+
+def _number(value: object, where: str, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ToleranceFileError(f"{path}: {where} must be a finite number, got {value!r}")
+    if value < 0:
+        raise ToleranceFileError(f"{path}: {where} must be >= 0, got {value}")
+    return float(value)
+
+
+def _unknown(keys: object, allowed: tuple[str, ...], where: str, path: str) -> None:
+    extra = sorted(set(keys) - set(allowed))  # type: ignore[arg-type]
+    if extra:
+        raise ToleranceFileError(f"{path}: unknown key(s) {extra} in {where}; allowed: {allowed}")
+
+
+def parse(data: object, path: str) -> Tolerances:
+    """Validate a loaded YAML document; raise `ToleranceFileError` naming the offending key."""
+    if not isinstance(data, dict):
+        raise ToleranceFileError(f"{path}: top level must be a mapping")
+    _unknown(data, ("schema", "dtypes", "exact"), "the top level", path)
+    if data.get("schema") != 1:
+        raise ToleranceFileError(f"{path}: schema must be 1, got {data.get('schema')!r}")
+    dtypes = data.get("dtypes") or {}
+    _unknown(dtypes, DTYPES, "dtypes", path)
+    entries: dict[str, dict[str, Tolerance]] = {}
+    for dkey in DTYPES:
+        if dkey not in dtypes:
+            raise ToleranceFileError(f"{path}: dtypes.{dkey} is missing; add an entry for it")
+        outputs = dtypes[dkey] or {}
+        _unknown(outputs, OUTPUTS, f"dtypes.{dkey}", path)
+        entries[dkey] = {}
+        for out in OUTPUTS:
+            fields = outputs.get(out)
+            if not isinstance(fields, dict):
+                raise ToleranceFileError(f"{path}: dtypes.{dkey}.{out} is missing; add {FIELDS}")
+            _unknown(fields, FIELDS, f"dtypes.{dkey}.{out}", path)
+            missing = [f for f in FIELDS if f not in fields]
+            if missing:
+                raise ToleranceFileError(f"{path}: dtypes.{dkey}.{out} lacks {missing}")
+            entries[dkey][out] = Tolerance(
+                *(_number(fields[f], f"dtypes.{dkey}.{out}.{f}", path) for f in FIELDS)
+            )
+    exact = data.get("exact") or {}
+    _unknown(exact, EXACT_FIELDS, "exact", path)
+    for f in EXACT_FIELDS:
+        if f not in exact:
+            raise ToleranceFileError(f"{path}: exact.{f} is missing")
+    exact_values = {f: _number(exact[f], f"exact.{f}", path) for f in EXACT_FIELDS}
+    return Tolerances(entries, exact_values, path)
+
+
+@cache
+def load(path: Path | str = DEFAULT_PATH) -> Tolerances:
+    """The validated tolerance file (cached per path)."""
+    path = Path(path)
+    with path.open() as handle:
+        return parse(yaml.safe_load(handle), str(path))

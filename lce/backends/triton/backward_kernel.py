@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from lce.backends.triton.config import TritonConfig, interpreting
-from lce.backends.triton.tiles import grouped_tile, logits_tile
+from lce.backends.triton.tiles import grouped_tile, logits_tile, round_bf16_rne
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _dlogits_kernel(
     BLOCK_H: tl.constexpr,
     GROUP: tl.constexpr,
     EVEN_H: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BF16_INTERPRETED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid_t, pid_v = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.cdiv(C, BLOCK_V), GROUP)
@@ -53,7 +53,7 @@ def _dlogits_kernel(
     rows = offs_t % T
     acc = logits_tile(
         hidden_ptr, weight_ptr, rows, offs_v % C, H, stride_ht, stride_hh, stride_wv, stride_wh,
-        BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, UPCAST, PRECISION,
+        BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, BF16_INTERPRETED, PRECISION,
     )  # fmt: skip
     z = acc * inv_temp
     lse = tl.load(lse_ptr + rows)
@@ -67,6 +67,9 @@ def _dlogits_kernel(
     # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed.
     active = (g_lp != 0.0) | (g_ent != 0.0)
     d_logits = tl.where(active[:, None], d_z * inv_temp, 0.0)
+    if BF16_INTERPRETED:
+        # The interpreter truncates fp32 -> bf16; round to nearest as the GPU does.
+        d_logits = round_bf16_rne(d_logits)
     out = dlogits_ptr + offs_t[:, None] * stride_dt + offs_v[None, :]
     tl.store(out, d_logits.to(dlogits_ptr.dtype.element_ty), mask=in_t[:, None] & in_v[None, :])
 
@@ -99,7 +102,7 @@ def dlogits_chunk(
         grad_logprob.stride(0), grad_entropy.stride(0), out.stride(0),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
         EVEN_H=hidden_size % tiles.block_h == 0,
-        UPCAST=interpreting() and weight_chunk.dtype == torch.bfloat16,
+        BF16_INTERPRETED=interpreting() and weight_chunk.dtype == torch.bfloat16,
         PRECISION=config.fp32_precision,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

@@ -45,6 +45,9 @@ class TritonConfig:
     ``chunk_bytes``: budget of the backward ``[T, chunk]`` d_logits buffer (weight's dtype).
     ``fp32_precision``: ``tl.dot`` mode for fp32 inputs; ``ieee`` (default) matches an fp32
     reference, ``tf32`` is faster and ~3e-4 relative. Low-precision inputs ignore it.
+    ``grad_weight_fp32``: True returns grad_weight in fp32 (the StageBackend contract); False in
+    weight's dtype, written by the GEMM from its fp32 accumulator (the same single rounding as a
+    later cast, without the fp32 ``[V_local, H]`` buffer).
     """
 
     forward: TileShape
@@ -52,6 +55,7 @@ class TritonConfig:
     tiles_per_program: int = 8
     chunk_bytes: int = 256 << 20
     fp32_precision: str = "ieee"
+    grad_weight_fp32: bool = True
 
     def __post_init__(self) -> None:
         if self.fp32_precision not in FP32_PRECISIONS:

@@ -38,7 +38,7 @@ def _forward_partials_kernel(
     BLOCK_H: tl.constexpr,
     GROUP: tl.constexpr,
     EVEN_H: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BF16_INTERPRETED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid_t, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_T), num_splits, GROUP)
@@ -59,7 +59,7 @@ def _forward_partials_kernel(
         in_v = offs_v < V
         acc = logits_tile(
             hidden_ptr, weight_ptr, rows, offs_v % V, H, stride_ht, stride_hh, stride_wv,
-            stride_wh, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, UPCAST, PRECISION,
+            stride_wh, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, BF16_INTERPRETED, PRECISION,
         )  # fmt: skip
         z = acc * inv_temp
         is_target = (offs_v[None, :] == local_target[:, None]) & in_v[None, :]
@@ -122,7 +122,7 @@ def forward_partials(
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
         EVEN_H=hidden_size % tiles.block_h == 0,
-        UPCAST=interpreting() and weight.dtype == torch.bfloat16,
+        BF16_INTERPRETED=interpreting() and weight.dtype == torch.bfloat16,
         PRECISION=config.fp32_precision,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

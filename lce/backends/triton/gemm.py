@@ -14,8 +14,8 @@ def _native_fp32_out(a: torch.Tensor) -> bool:
 
 
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b`` with ``out`` fp32 (written in place)."""
-    if a.dtype == torch.float32:
+    """``out = a @ b`` written in place; ``out`` is fp32 or the operands' dtype."""
+    if a.dtype == out.dtype:
         torch.mm(a, b, out=out)
     elif _native_fp32_out(a):
         torch.mm(a, b, out_dtype=torch.float32, out=out)

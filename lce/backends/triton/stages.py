@@ -76,14 +76,19 @@ class TritonStages:
         """See `lce.backends.base.StageBackend.backward_grads`; workspace one d_logits chunk."""
         _check_operands(hidden, weight, targets)
         (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
-        fp32 = {"dtype": torch.float32, "device": hidden.device}
-        grad_hidden = torch.zeros(num_tokens, hidden_size, **fp32) if need_hidden else None
-        # Every chunk writes its grad_weight rows, so only T = 0 needs the zeros.
-        alloc = torch.empty if num_tokens else torch.zeros
-        grad_weight = alloc(vocab_local, hidden_size, **fp32) if need_weight else None
+        config = self._config()
+        device = hidden.device
+        grad_hidden = None
+        if need_hidden:
+            grad_hidden = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=device)
+        grad_weight = None
+        if need_weight:
+            # Every chunk writes its grad_weight rows, so only T = 0 needs the zeros.
+            alloc = torch.empty if num_tokens else torch.zeros
+            dtype = torch.float32 if config.grad_weight_fp32 else weight.dtype
+            grad_weight = alloc(vocab_local, hidden_size, dtype=dtype, device=device)
         if num_tokens == 0 or vocab_local == 0 or not (need_hidden or need_weight):
             return grad_hidden, grad_weight
-        config = self._config()
         width = self._chunk_width(num_tokens, vocab_local, weight.element_size(), config)
         buffer = torch.empty(num_tokens, width, dtype=weight.dtype, device=hidden.device)
         row_stats = (lse.float().contiguous(), expected_logit.float().contiguous())

@@ -39,7 +39,7 @@ def logits_tile(
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EVEN_H: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BF16_INTERPRETED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """fp32 ``[BLOCK_T, BLOCK_V]`` tile of ``hidden[rows] @ weight[cols].T`` (no temperature).
@@ -59,7 +59,7 @@ def logits_tile(
             in_h = offs_h + k * BLOCK_H < H
             h = tl.load(h_ptrs, mask=in_h[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_h[:, None], other=0.0)
-        if UPCAST:
+        if BF16_INTERPRETED:
             # TRITON_INTERPRET=1 computes bf16 tl.dot wrongly; fp32 operands are exact there.
             h = h.to(tl.float32)
             w = w.to(tl.float32)
@@ -67,3 +67,14 @@ def logits_tile(
         h_ptrs += BLOCK_H * stride_hh
         w_ptrs += BLOCK_H * stride_wh
     return acc
+
+
+@triton.jit
+def round_bf16_rne(x):
+    """fp32 values rounded to the nearest bf16 (ties to even), still as fp32.
+
+    The interpreter's fp32 -> bf16 cast truncates; rounding first makes that cast exact.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)

@@ -1,0 +1,243 @@
+"""Stage-level tests of the Triton kernels against float64 torch math of the same stage.
+
+Three actors per check: the float64 reference on the same rounded inputs (R), the kernel (K), and
+for gradients the baseline B = the same float64 math with d_logits rounded to the input dtype, the
+one rounding every tensor-core path makes. Runs compiled on CUDA, else under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the import of the kernels: @triton.jit picks the interpreter at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from lce.backends.triton import TileShape, TritonConfig, TritonStages
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def small_config(**changes) -> TritonConfig:
+    """Tiles small enough that the test shapes span several tiles, splits and chunks."""
+    tile = TileShape(block_t=32, block_v=64, block_h=32, group=2, num_warps=4, num_stages=2)
+    fields = {"forward": tile, "backward": tile, "tiles_per_program": 2, "chunk_bytes": 1 << 20}
+    return TritonConfig(**{**fields, **changes})
+
+
+# (T, H, V_local, vocab_start, temperature): V not a multiple of the tile, V smaller than a tile,
+# T = 1, H not a multiple of 16, a shard starting at 1000 (targets outside it), temperature != 1.
+SHAPES = [
+    (37, 80, 300, 0, 1.0),
+    (1, 40, 50, 0, 1.0),
+    (20, 24, 129, 1000, 0.7),
+]
+
+
+def make_case(num_tokens, hidden_size, vocab, vocab_start, dtype, seed, spread=1.0, offset=0.0):
+    """Gaussian hidden/weight with a heavy-tailed weight row scale (uniform weights hide bugs).
+
+    ``offset`` is added to every logit through the last hidden column; targets cover the shard,
+    other shards, and ignored rows (-1).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen, dtype=torch.float64) * spread
+    row_scale = torch.exp(torch.randn(vocab, 1, generator=gen, dtype=torch.float64))
+    weight = torch.randn(vocab, hidden_size, generator=gen, dtype=torch.float64) * row_scale * 0.3
+    if offset:
+        hidden[:, -1], weight[:, -1] = offset / 8.0, 8.0  # exact in every dtype for offset 1e4
+    targets = torch.randint(
+        vocab_start - 20, vocab_start + vocab + 20, (num_tokens,), generator=gen
+    )
+    targets[::5] = -1
+    return hidden.to(dtype).to(DEVICE), weight.to(dtype).to(DEVICE), targets.to(DEVICE)
+
+
+def reference_logits(hidden, weight, temperature):
+    return (hidden.double() @ weight.double().T) / temperature
+
+
+def reference_stats(hidden, weight, targets, vocab_start, temperature):
+    """float64 (max, lse, expected_logit, target_logit) of the shard."""
+    z = reference_logits(hidden, weight, temperature)
+    row_max = z.amax(dim=1)
+    e = torch.exp(z - row_max[:, None])
+    local = targets - vocab_start
+    owned = (local >= 0) & (local < z.shape[1])
+    picked = z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
+    lse = row_max + torch.log(e.sum(dim=1))
+    expected = row_max + (e * (z - row_max[:, None])).sum(dim=1) / e.sum(dim=1)
+    return row_max, lse, expected, torch.where(owned, picked, torch.zeros_like(picked))
+
+
+def accumulation_tol(hidden, weight, temperature):
+    """Worst-case fp32 error of one logit: H rounded products summed, each <= 2^-24 relative.
+
+    max, lse, expected_logit and target_logit are 1-Lipschitz in the logits, so this bounds them
+    too, plus a few fp32 roundings of the value itself (the second term).
+    """
+    products = hidden.double().abs() @ weight.double().abs().T / temperature
+    return hidden.shape[1] * 2.0**-24 * products.max().item()
+
+
+def check_stats(stats, hidden, weight, targets, vocab_start, temperature):
+    ref_max, ref_lse, ref_expected, ref_target = reference_stats(
+        hidden, weight, targets, vocab_start, temperature
+    )
+    lse = stats.max.double() + torch.log(stats.sumexp.double())
+    expected = stats.max.double() + stats.sumexp_z.double() / stats.sumexp.double()
+    tol = accumulation_tol(hidden, weight, temperature)
+    for name, got, ref in [
+        ("max", stats.max, ref_max),
+        ("lse", lse, ref_lse),
+        ("expected_logit", expected, ref_expected),
+        ("target_logit", stats.target_logit, ref_target),
+    ]:
+        err = (got.double() - ref).abs()
+        bound = 2 * tol + 8 * 2.0**-24 * (1 + ref.abs())
+        assert bool((err <= bound).all()), f"{name}: max err {err.max():.3e}, tol {tol:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_stats_match_float64(shape, dtype):
+    num_tokens, hidden_size, vocab, vocab_start, temperature = shape
+    hidden, weight, targets = make_case(num_tokens, hidden_size, vocab, vocab_start, dtype, seed=1)
+    stats = TritonStages(small_config()).forward_stats(
+        hidden, weight, targets, vocab_start, temperature
+    )
+    check_stats(stats, hidden, weight, targets, vocab_start, temperature)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_peaked_rows_and_large_offsets(dtype):
+    """Spread > 88 (exp underflows for all but the max), targets at the max, offset +1e4."""
+    hidden, weight, _ = make_case(24, 48, 200, 0, dtype, seed=2, spread=40.0, offset=1e4)
+    targets = reference_logits(hidden, weight, 1.0).argmax(dim=1)
+    stats = TritonStages(small_config()).forward_stats(hidden, weight, targets, 0, 1.0)
+    check_stats(stats, hidden, weight, targets, 0, 1.0)
+    assert bool((stats.sumexp >= 1).all())  # the max term contributes exp(0) = 1
+
+
+def reference_grads(hidden, weight, targets, vocab_start, temperature, upstream, round_to=None):
+    """float64 (grad_hidden, grad_weight); ``round_to`` rounds d_logits first (the baseline)."""
+    z = reference_logits(hidden, weight, temperature)
+    _, lse, expected, _ = reference_stats(hidden, weight, targets, vocab_start, temperature)
+    g_lp, g_ent = (g.double()[:, None] for g in upstream)
+    p = torch.exp(z - lse[:, None])
+    local = targets - vocab_start
+    onehot = (torch.arange(z.shape[1], device=z.device)[None, :] == local[:, None]).double()
+    d_logits = (g_lp * (onehot - p) - g_ent * p * (z - expected[:, None])) / temperature
+    if round_to is not None:
+        d_logits = d_logits.to(round_to).double()
+    return d_logits @ weight.double(), d_logits.T @ hidden.double()
+
+
+def strided_upstream(targets, seed, expanded_entropy):
+    """Random fp32 grads: g_lp a stride-2 view, zero on ignored rows; g_ent random (zero on
+    ignored rows) or one value expanded with stride 0 (then ignored rows get it too)."""
+    gen = torch.Generator().manual_seed(seed)
+    active = (targets != -1).cpu()
+    pairs = torch.randn(targets.shape[0], 2, generator=gen)
+    g_lp = (pairs * active[:, None]).to(DEVICE)[:, 0]
+    if expanded_entropy:
+        return g_lp, torch.full((1,), -0.7, device=DEVICE).expand(targets.shape[0])
+    return g_lp, (pairs[:, 1] * active).to(DEVICE)
+
+
+def run_backward(stages, hidden, weight, targets, vocab_start, temperature, upstream, **need):
+    _, lse, expected, _ = reference_stats(hidden, weight, targets, vocab_start, temperature)
+    return stages.backward_grads(
+        hidden, weight, targets, vocab_start, temperature, lse.float(), expected.float(),
+        *upstream, need.get("need_hidden", True), need.get("need_weight", True),
+    )  # fmt: skip
+
+
+# Floor of the gradient check: relative fp32 error of recomputed logits (accumulation_tol is
+# ~1e-6 of the logits here) amplified by |z - expected| <= ~10 in the entropy term; 1e-5 of ||R||.
+GRAD_FLOOR = 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_backward_grads_match_float64(shape, dtype):
+    num_tokens, hidden_size, vocab, vocab_start, temperature = shape
+    hidden, weight, targets = make_case(num_tokens, hidden_size, vocab, vocab_start, dtype, seed=3)
+    upstream = strided_upstream(targets, seed=4, expanded_entropy=num_tokens == 20)
+    # chunk_bytes of 3 tiles of columns: several chunks, the last one partial.
+    config = small_config(chunk_bytes=num_tokens * hidden.element_size() * 64 * 3)
+    grad_hidden, grad_weight = run_backward(
+        TritonStages(config), hidden, weight, targets, vocab_start, temperature, upstream
+    )
+    assert grad_hidden.dtype == grad_weight.dtype == torch.float32
+    ref = reference_grads(hidden, weight, targets, vocab_start, temperature, upstream)
+    base = reference_grads(hidden, weight, targets, vocab_start, temperature, upstream, dtype)
+    for name, got, r, b in zip(
+        ("grad_hidden", "grad_weight"), (grad_hidden, grad_weight), ref, base, strict=True
+    ):
+        err = (got.double() - r).norm().item()
+        bound = 2 * (b - r).norm().item() + GRAD_FLOOR * r.norm().item()
+        assert err <= bound, f"{name}: ||K-R|| {err:.3e} > {bound:.3e}"
+    if upstream[1].stride(0) != 0:
+        ignored = targets == -1
+        assert bool((grad_hidden[ignored] == 0).all()), "zero upstream rows get exactly zero"
+
+
+def test_backward_need_flags_and_low_precision_grad_weight():
+    hidden, weight, targets = make_case(16, 32, 100, 0, torch.bfloat16, seed=5)
+    upstream = strided_upstream(targets, seed=6, expanded_entropy=False)
+    stages = TritonStages(small_config(grad_weight_fp32=False))
+    args = (hidden, weight, targets, 0, 1.0, upstream)
+    grad_hidden, grad_weight = run_backward(stages, *args, need_hidden=False)
+    assert grad_hidden is None and grad_weight.dtype == torch.bfloat16
+    _, full = run_backward(TritonStages(small_config()), *args)
+    # bf16 output of the same fp32 accumulator: one bf16 rounding, half an ulp = 2^-9 relative.
+    torch.testing.assert_close(grad_weight.float(), full, rtol=2.0**-8, atol=0.0)
+    grad_hidden, grad_weight = run_backward(stages, *args, need_weight=False)
+    assert grad_weight is None and grad_hidden.shape == hidden.shape
+
+
+@pytest.mark.parametrize(("num_tokens", "vocab"), [(0, 50), (5, 0)])
+def test_empty_tokens_or_shard(num_tokens, vocab):
+    hidden, weight, targets = make_case(max(num_tokens, 1), 16, max(vocab, 1), 0, torch.float32, 7)
+    hidden, weight, targets = hidden[:num_tokens], weight[:vocab], targets[:num_tokens]
+    stages = TritonStages(small_config())
+    stats = stages.forward_stats(hidden, weight, targets, 0, 1.0)
+    assert stats.max.shape == (num_tokens,) and bool((stats.max == float("-inf")).all()) == (
+        vocab == 0 or num_tokens == 0
+    )
+    zeros = torch.zeros(num_tokens, device=DEVICE)
+    grad_hidden, grad_weight = stages.backward_grads(
+        hidden, weight, targets, 0, 1.0, zeros, zeros, zeros, zeros, True, True
+    )
+    assert not grad_hidden.any() and not grad_weight.any()
+    assert grad_weight.shape == weight.shape
+
+
+def test_non_contiguous_hidden_matches_contiguous():
+    hidden, weight, targets = make_case(24, 48, 150, 0, torch.float32, seed=8)
+    transposed = hidden.T.contiguous().T  # same values, column-major strides
+    stages = TritonStages(small_config())
+    a = stages.forward_stats(hidden, weight, targets, 0, 1.0)
+    b = stages.forward_stats(transposed, weight, targets, 0, 1.0)
+    # Same tiles in the same order whatever the strides: bitwise equal.
+    assert torch.equal(a.sumexp, b.sumexp) and torch.equal(a.target_logit, b.target_logit)
+
+
+def test_bad_operands_raise_clear_errors():
+    hidden, weight, targets = make_case(4, 16, 20, 0, torch.float32, seed=9)
+    stages = TritonStages(small_config())
+    with pytest.raises(ValueError, match="hidden"):
+        stages.forward_stats(hidden.half(), weight, targets, 0, 1.0)
+    with pytest.raises(ValueError, match="targets"):
+        stages.forward_stats(hidden, weight, targets.int(), 0, 1.0)
+    with pytest.raises(ValueError, match="block_v"):
+        TileShape(block_t=32, block_v=48, block_h=32)
+    with pytest.raises(ValueError, match="fp32_precision"):
+        small_config(fp32_precision="fast")

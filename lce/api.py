@@ -98,7 +98,7 @@ def _token_outputs(
     check_inputs(hidden, weight, targets, options)
     backend = resolve_backend_name(options.backend, hidden.device)
     stages = get_stages(backend, hidden.device, options.chunk_size)
-    shard = resolve_shard(options.tp_group, options.vocab_start, weight.shape[0])
+    shard = resolve_shard(options.tp_group, options.vocab_start, weight.shape[0], weight.device)
     logprobs, entropy = FusedLogprobEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,

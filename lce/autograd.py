@@ -42,7 +42,7 @@ class FusedLogprobEntropy(torch.autograd.Function):
         local = kernel_targets - shard.vocab_start
         owned = (local >= 0) & (local < shard.vocab_local)
         merged = merge_stats(stats, owned, shard.group)
-        raise_on_bad_targets(targets, ignored | (merged.owners == 1), ignore_index)
+        raise_on_bad_targets(targets, merged.owners, ignore_index)
         zero = torch.zeros_like(merged.lse)
         logprobs = torch.where(ignored, zero, merged.target_logit - merged.lse)
         entropy = torch.where(ignored, zero, merged.entropy)

@@ -28,7 +28,10 @@ class VocabShard:
 
 
 def resolve_shard(
-    tp_group: dist.ProcessGroup | None, vocab_start: int | None, vocab_local: int
+    tp_group: dist.ProcessGroup | None,
+    vocab_start: int | None,
+    vocab_local: int,
+    device: torch.device,
 ) -> VocabShard:
     """Shard of the calling rank; ``vocab_start`` defaults to ``tp_rank * vocab_local``."""
     if tp_group is not None and not dist.is_initialized():
@@ -36,6 +39,8 @@ def resolve_shard(
     if tp_group is not None and dist.get_world_size(tp_group) == 1:
         tp_group = None
     if vocab_start is None:
+        if tp_group is not None:
+            _require_equal_shards(tp_group, vocab_local, device)
         vocab_start = 0 if tp_group is None else dist.get_rank(tp_group) * vocab_local
     if vocab_start < 0:
         raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
@@ -51,6 +56,18 @@ class GlobalStats:
     expected_logit: torch.Tensor  # sum_j p_j z_j
     entropy: torch.Tensor  # lse - expected_logit, computed without cancellation
     owners: torch.Tensor  # how many shards hold the target id: 1 if valid, 0 if outside [0, V)
+
+
+def _require_equal_shards(group: dist.ProcessGroup, vocab_local: int, device: torch.device) -> None:
+    """The default ``vocab_start = rank * V_local`` is only right when all shards have one size."""
+    sizes = torch.tensor([vocab_local, -vocab_local], dtype=torch.float32, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+    if sizes[0] != -sizes[1]:
+        raise ValueError(
+            f"vocab shards of the TP group have different sizes ({int(-sizes[1])}..{int(sizes[0])} "
+            "rows), so the default vocab_start = tp_rank * V_local is wrong; pass vocab_start "
+            "(this rank's first global id) explicitly"
+        )
 
 
 def merge_stats(

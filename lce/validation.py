@@ -53,13 +53,20 @@ def check_reduction(reduction: str) -> None:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def raise_on_bad_targets(targets: torch.Tensor, valid: torch.Tensor, ignore_index: int) -> None:
-    """Raise if a non-ignored target id is owned by no vocab shard (outside ``[0, V)``)."""
-    bad = ~valid
-    if bool(bad.any()):
-        bad_ids = torch.unique(targets[bad]).tolist()
-        shown = ", ".join(str(i) for i in bad_ids[:10]) + (" ..." if len(bad_ids) > 10 else "")
-        raise ValueError(
-            f"targets holds ids outside the vocabulary [0, V) that are not ignore_index="
-            f"{ignore_index}: {shown}; fix the labels or mark them with ignore_index"
-        )
+def raise_on_bad_targets(targets: torch.Tensor, owners: torch.Tensor, ignore_index: int) -> None:
+    """Raise unless every non-ignored target id is held by exactly one vocab shard.
+
+    ``owners [T]`` counts the shards holding each target: 0 means outside ``[0, V)``, more than 1
+    means the shards overlap (a wrong ``vocab_start``).
+    """
+    active = targets != ignore_index
+    for bad, problem, fix in (
+        (active & (owners == 0), "outside the vocabulary [0, V)", "fix the labels or mark them "
+         f"with ignore_index={ignore_index}"),
+        (active & (owners > 1), "held by more than one TP rank's vocab shard",
+         "pass each rank's vocab_start so the shards do not overlap"),
+    ):  # fmt: skip
+        if bool(bad.any()):
+            bad_ids = torch.unique(targets[bad]).tolist()
+            shown = ", ".join(str(i) for i in bad_ids[:10]) + (" ..." if len(bad_ids) > 10 else "")
+            raise ValueError(f"targets holds ids {problem}: {shown}; {fix}")

@@ -1,0 +1,365 @@
+"""Verify and benchmark the Triton backend on one CUDA GPU, in one call (issue 3's table).
+
+Run from the repo root (Liger / Apple CCE are used when importable):
+    PYTHONPATH=. python benchmarks/kernel_gpu.py --json results.json
+Steps: (1) the compiled kernels vs float64 at one large shape; (2) a tile sweep of both kernels at
+llama3-8k, the fastest tiles become the config of (3); (3) per shape: one bf16 GEMM, stock PyTorch,
+lce triton, Liger, CCE: time (median ms), peak memory above the inputs (GiB), normwise grad errors
+vs an fp32 materialized reference. The stage tests run apart: pytest tests/test_triton_stages.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import lce
+from lce.backends.triton import TileShape, TritonStages
+from lce.backends.triton import config as triton_config
+from lce.backends.triton.backward_kernel import dlogits_chunk
+from lce.backends.triton.forward_kernel import forward_partials
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_triton_stages import reference_grads, reference_stats
+
+SHAPES = {
+    "llama3-8k": (8192, 4096, 128256),
+    "qwen2.5-16k": (16384, 3584, 152064),
+    "gemma2-8k": (8192, 2304, 256000),
+}
+IGNORE = -100
+GIB = float(1 << 30)
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> float:
+    """Median of ``iters`` CUDA-event timings after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_gib(fn: Callable[[], object]) -> tuple[float, object]:
+    """Peak allocated memory above what existed before the call, and the call's result."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / GIB, out
+
+
+def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).norm() / ref.norm()).item()
+
+
+# ---------------------------------------------------------------- (1) correctness, compiled
+
+
+def check_large(num_tokens=4096, hidden_size=4096, vocab=32257, temperature=0.8) -> dict:
+    """Stage outputs vs float64 at a shape with V off the tile; grads vs 2x the bf16 baseline."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    hidden = torch.randn(num_tokens, hidden_size, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.05).bfloat16()
+    targets = torch.randint(-1, vocab, (num_tokens,), device="cuda", generator=gen)
+    upstream_ = torch.randn(2, num_tokens, device="cuda", generator=gen) * (targets != -1)
+    upstream = (upstream_[0], upstream_[1])
+    stages = TritonStages()
+    stats = stages.forward_stats(hidden, weight, targets, 0, temperature)
+    _, ref_lse, ref_expected, ref_target = reference_stats(hidden, weight, targets, 0, temperature)
+    lse = stats.max.double() + stats.sumexp.double().log()
+    expected = stats.max.double() + stats.sumexp_z.double() / stats.sumexp.double()
+    result = {
+        "shape": [num_tokens, hidden_size, vocab],
+        "lse_max_abs_err": (lse - ref_lse).abs().max().item(),
+        "expected_max_abs_err": (expected - ref_expected).abs().max().item(),
+        "target_max_abs_err": (stats.target_logit.double() - ref_target).abs().max().item(),
+    }
+    grads = stages.backward_grads(
+        hidden, weight, targets, 0, temperature, ref_lse.float(), ref_expected.float(),
+        *upstream, True, True,
+    )  # fmt: skip
+    ref = reference_grads(hidden, weight, targets, 0, temperature, upstream)
+    base = reference_grads(hidden, weight, targets, 0, temperature, upstream, torch.bfloat16)
+    ok = max(result["lse_max_abs_err"], result["expected_max_abs_err"]) < 1e-3
+    for name, got, r, b in zip(("grad_hidden", "grad_weight"), grads, ref, base, strict=True):
+        result[f"{name}_rel_err"] = rel(got.double(), r)
+        result[f"{name}_baseline_rel_err"] = rel(b, r)
+        ok &= result[f"{name}_rel_err"] <= 2 * result[f"{name}_baseline_rel_err"] + 1e-5
+    result["pass"] = bool(ok)
+    return result
+
+
+# ---------------------------------------------------------------- (2) tile sweep
+
+CANDIDATES = [
+    TileShape(128, 128, 64, group=16, num_warps=8, num_stages=4),
+    TileShape(128, 256, 64, group=16, num_warps=8, num_stages=3),
+    TileShape(256, 128, 64, group=16, num_warps=8, num_stages=3),
+    TileShape(128, 128, 64, group=8, num_warps=4, num_stages=4),
+    TileShape(128, 64, 64, group=16, num_warps=4, num_stages=4),
+]
+
+
+def sweep(num_tokens: int, hidden_size: int, vocab: int) -> tuple[list[dict], object]:
+    """Time each candidate tile in both kernels; returns rows and the fastest config."""
+    hidden = torch.randn(num_tokens, hidden_size, device="cuda").bfloat16()
+    weight = (torch.randn(vocab, hidden_size, device="cuda") * 0.02).bfloat16()
+    targets = torch.randint(0, vocab, (num_tokens,), device="cuda")
+    ones = torch.ones(num_tokens, device="cuda")
+    base = triton_config.GPU_CONFIG
+    width = TritonStages._chunk_width(num_tokens, vocab, 2, base)
+    d_logits = torch.empty(num_tokens, width, dtype=torch.bfloat16, device="cuda")
+    rows, best = [], {}
+    variants = [("forward", tile, base.tiles_per_program) for tile in CANDIDATES]
+    variants += [("forward", CANDIDATES[0], tpp) for tpp in (1, 32)]
+    variants += [("backward", tile, None) for tile in CANDIDATES]
+    for kernel, tile, tpp in variants:
+        if kernel == "forward":
+            cfg = dataclasses.replace(base, forward=tile, tiles_per_program=tpp)
+
+            def fn(cfg=cfg):
+                return forward_partials(hidden, weight, targets, 0, 1.0, cfg)
+
+            scale = 1.0
+        else:
+            cfg = dataclasses.replace(base, backward=tile)
+
+            def fn(cfg=cfg):
+                dlogits_chunk(
+                    hidden, weight[:width], targets, 0, 1.0, ones, ones, ones, ones, d_logits, cfg
+                )
+
+            scale = vocab / width  # one chunk timed, reported for the whole vocab
+        row = {"kernel": kernel, "tile": dataclasses.asdict(tile), "tiles_per_program": tpp}
+        try:
+            row["ms"] = time_ms(fn, warmup=1, iters=5) * scale
+        except Exception as exc:  # a tile that does not fit (shared memory) is skipped, noted
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        rows.append(row)
+        print("sweep", row, flush=True)
+        if "ms" in row and row["ms"] < best.get(kernel, (float("inf"),))[0]:
+            best[kernel] = (row["ms"], tile, tpp)
+    chosen = dataclasses.replace(
+        base, forward=best["forward"][1], tiles_per_program=best["forward"][2],
+        backward=best["backward"][1],
+    )  # fmt: skip
+    return rows, chosen
+
+
+# ---------------------------------------------------------------- (3) benchmark
+
+
+def make_inputs(num_tokens: int, hidden_size: int, vocab: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(num_tokens, hidden_size, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.02).bfloat16()
+    targets = torch.randint(0, vocab, (num_tokens,), device="cuda", generator=gen)
+    targets[::17] = IGNORE
+    upstream = torch.randn(num_tokens, device="cuda", generator=gen)
+    return {"hidden": hidden, "weight": weight, "targets": targets, "upstream": upstream}
+
+
+def fp32_reference(inp: dict) -> dict:
+    """fp32 materialized grads (IEEE matmuls) for the mean loss and the per-token mode."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = {}
+    for mode in ("mean", "token"):
+        hidden = inp["hidden"].float().requires_grad_()
+        weight = inp["weight"].float().requires_grad_()
+        logits = hidden @ weight.T
+        if mode == "mean":
+            loss = F.cross_entropy(logits, inp["targets"], ignore_index=IGNORE)
+            out["loss"] = loss.item()
+        else:
+            per_token = F.cross_entropy(
+                logits, inp["targets"], ignore_index=IGNORE, reduction="none"
+            )
+            loss = (-per_token * inp["upstream"]).sum()
+        out[mode] = torch.autograd.grad(loss, (hidden, weight))
+        del logits, loss
+    return out
+
+
+def grads_of(loss_fn: Callable, inp: dict, mode: str) -> Callable[[], tuple]:
+    """A closure running forward+backward: mean loss, or per-token logprob x random upstream."""
+
+    def run():
+        hidden = inp["hidden"].detach().requires_grad_()
+        weight = inp["weight"].detach().requires_grad_()
+        out = loss_fn(hidden, weight, inp["targets"], mode)
+        loss = out if mode == "mean" else (out * inp["upstream"]).sum()
+        return loss.detach(), *torch.autograd.grad(loss, (hidden, weight))
+
+    return run
+
+
+def stock_loss(hidden, weight, targets, mode):
+    logits = (hidden @ weight.T).float()
+    if mode == "mean":
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE)
+    return -F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
+
+
+def stock_forward(inp):
+    logits = (inp["hidden"] @ inp["weight"].T).float()
+    log_probs = logits.log_softmax(dim=-1)
+    picked = log_probs.gather(1, inp["targets"].clamp(min=0)[:, None])
+    return picked, -(log_probs.exp() * log_probs).sum(dim=-1)
+
+
+def lce_loss(hidden, weight, targets, mode):
+    if mode == "mean":
+        return lce.linear_cross_entropy(hidden, weight, targets, backend="triton")
+    return lce.token_logprobs(hidden, weight, targets, backend="triton").logprobs
+
+
+def peer_losses() -> dict[str, Callable]:
+    """Liger FLCE and Apple CCE when their packages import (the wheels travel in .whl/)."""
+    peers = {}
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        def liger(hidden, weight, targets, mode):
+            reduction = "mean" if mode == "mean" else "none"
+            out = liger_fused_linear_cross_entropy(hidden, weight, targets, reduction=reduction)
+            return out if mode == "mean" else -out
+
+        peers["Liger FLCE"] = liger
+    except Exception as exc:
+        print("liger unavailable:", exc)
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce_lce
+
+        def cce(hidden, weight, targets, mode):
+            reduction = "mean" if mode == "mean" else "none"
+            out = cce_lce(hidden, weight, targets, reduction=reduction)
+            return out if mode == "mean" else -out
+
+        peers["Apple CCE"] = cce
+    except Exception as exc:
+        print("cce unavailable:", exc)
+    return peers
+
+
+def measure(name: str, fn: Callable, ref: dict | None, mode: str | None) -> dict:
+    row = {"method": name, "mode": mode or "fwd"}
+    try:
+        row["ms"] = time_ms(fn)
+        row["peak_gib"], out = peak_gib(fn)
+        if ref is not None:
+            loss, grad_hidden, grad_weight = out
+            row["gx_rel"] = rel(grad_hidden, ref[mode][0])
+            row["gw_rel"] = rel(grad_weight, ref[mode][1])
+            if mode == "mean":
+                row["loss_abs_err"] = abs(loss.item() - ref["loss"])
+        del out
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        traceback.print_exc()
+    print(name, row, flush=True)
+    return row
+
+
+def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
+    num_tokens, hidden_size, vocab = SHAPES[shape]
+    inp = make_inputs(num_tokens, hidden_size, vocab)
+    ref = fp32_reference(inp)
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows = [measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None)]
+    with torch.no_grad():
+        rows.append(measure("stock PyTorch", lambda: stock_forward(inp), None, None))
+        rows.append(measure("lce triton", lambda: lce_loss(**_args(inp), mode="token"), None, None))
+        for name, loss_fn in peers.items():
+            rows.append(measure(name, lambda f=loss_fn: f(**_args(inp), mode="mean"), None, None))
+    methods = {"stock PyTorch": stock_loss, "lce triton": lce_loss, **peers}
+    for mode in ("mean", "token"):
+        for name, loss_fn in methods.items():
+            rows.append(measure(name, grads_of(loss_fn, inp, mode), ref, mode))
+    low = dataclasses.replace(triton_config.GPU_CONFIG, grad_weight_fp32=False)
+    saved, triton_config.GPU_CONFIG = triton_config.GPU_CONFIG, low
+    rows.append(
+        measure("lce triton, bf16 grad_weight", grads_of(lce_loss, inp, "mean"), ref, "mean")
+    )
+    triton_config.GPU_CONFIG = saved
+    grads_gib = (num_tokens + vocab) * hidden_size * 2 / GIB
+    return {"shape": shape, "T_H_V": SHAPES[shape], "grads_gib": grads_gib, "rows": rows}
+
+
+def _args(inp: dict) -> dict:
+    return {"hidden": inp["hidden"], "weight": inp["weight"], "targets": inp["targets"]}
+
+
+def print_table(result: dict) -> None:
+    rows = result["rows"]
+    gemm = next(r["ms"] for r in rows if r["method"] == "1 bf16 GEMM")
+    floors = {"fwd": gemm, "mean": 3 * gemm, "token": 4 * gemm}
+    print(f"\n## {result['shape']} {result['T_H_V']}  (grads floor {result['grads_gib']:.2f} GiB)")
+    print("| method | mode | ms | x floor | peak GiB | x grads | gx rel | gw rel |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['method']} | {r['mode']} | error: {r['error'][:80]} |||||")
+            continue
+        mem_ratio = r["peak_gib"] / result["grads_gib"] if r["mode"] != "fwd" else float("nan")
+        print(
+            f"| {r['method']} | {r['mode']} | {r['ms']:.1f} | {r['ms'] / floors[r['mode']]:.2f} "
+            f"| {r['peak_gib']:.2f} | {mem_ratio:.2f} | {r.get('gx_rel', float('nan')):.1e} "
+            f"| {r.get('gw_rel', float('nan')):.1e} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True, help="where to write all numbers")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES keys")
+    parser.add_argument("--no-sweep", action="store_true", help="keep the configured tiles")
+    args = parser.parse_args()
+    env = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    print(env, flush=True)
+    report: dict = {"env": env, "large_check": check_large()}
+    print("large check", report["large_check"], flush=True)
+    if not args.no_sweep:
+        report["sweep"], chosen = sweep(*SHAPES["llama3-8k"])
+        triton_config.GPU_CONFIG = chosen
+    report["config"] = dataclasses.asdict(triton_config.GPU_CONFIG)
+    print("config", report["config"], flush=True)
+    peers = peer_losses()
+    report["shapes"] = []
+    for shape in args.shapes.split(","):
+        report["shapes"].append(bench_shape(shape, peers))
+        gc.collect()
+        torch.cuda.empty_cache()
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    for result in report["shapes"]:
+        print_table(result)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

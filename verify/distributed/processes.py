@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -61,9 +62,10 @@ def stop(workers: list[WorkerProcess], grace_s: float) -> None:
     for worker in workers:
         with contextlib.suppress(OSError):  # already dead: kill() reaps it
             worker.channel.send(Shutdown())
+    deadline = time.monotonic() + grace_s
     for worker in workers:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            worker.process.wait(timeout=grace_s)
+            worker.process.wait(timeout=max(deadline - time.monotonic(), 0.0))
     kill(workers)
 
 

@@ -112,59 +112,107 @@ def check_large(num_tokens=4096, hidden_size=4096, vocab=32257, temperature=0.8)
 
 # ---------------------------------------------------------------- (2) tile sweep
 
-CANDIDATES = [
-    TileShape(128, 128, 64, group=16, num_warps=8, num_stages=4),
-    TileShape(128, 256, 64, group=16, num_warps=8, num_stages=3),
-    TileShape(256, 128, 64, group=16, num_warps=8, num_stages=3),
-    TileShape(128, 128, 64, group=8, num_warps=4, num_stages=4),
-    TileShape(128, 64, 64, group=16, num_warps=4, num_stages=4),
+
+def _tile(block_t, block_v, block_h, stages, warps=8, group=16, regs=None) -> TileShape:
+    return TileShape(block_t, block_v, block_h, group, warps, stages, max_registers=regs)
+
+
+# (kernel, tile, forward vocab tiles per program, TMA loads)
+VARIANTS = [
+    ("forward", _tile(128, 128, 64, 4), 8, True),
+    ("forward", _tile(128, 128, 64, 4), 8, False),
+    ("forward", _tile(128, 128, 64, 3), 8, True),
+    ("forward", _tile(128, 128, 64, 3), 1, True),
+    ("forward", _tile(128, 256, 64, 3), 8, True),
+    ("forward", _tile(128, 256, 64, 3), 1, True),
+    ("forward", _tile(256, 128, 64, 3), 8, True),
+    ("forward", _tile(128, 128, 128, 3), 8, True),
+    ("forward", _tile(128, 128, 64, 4, group=8), 4, True),
+    ("forward", _tile(128, 128, 64, 3, regs=128), 8, True),
+    ("forward", _tile(128, 256, 64, 4), 8, True),
+    ("backward", _tile(128, 128, 64, 4), None, True),
+    ("backward", _tile(128, 256, 64, 3), None, True),
+    ("backward", _tile(128, 256, 64, 3), None, False),
+    ("backward", _tile(128, 128, 64, 3), None, True),
+    ("backward", _tile(256, 128, 64, 3), None, True),
+    ("backward", _tile(128, 128, 128, 3), None, True),
+    ("backward", _tile(128, 128, 64, 3, regs=128), None, True),
+    ("backward", _tile(128, 256, 64, 4), None, True),
 ]
 
 
+def _sweep_fn(kernel, tile, tpp, tma, data) -> tuple[Callable[[], object], float]:
+    """The timed call of one variant and the factor that scales it to the whole vocabulary."""
+    hidden, weight, targets, ones, d_logits = data
+    if kernel == "forward":
+        cfg = dataclasses.replace(
+            triton_config.GPU_CONFIG, forward=tile, tiles_per_program=tpp, use_tma=tma
+        )
+        return lambda: forward_partials(hidden, weight, targets, 0, 1.0, cfg), 1.0
+    cfg = dataclasses.replace(triton_config.GPU_CONFIG, backward=tile, use_tma=tma)
+    width = d_logits.shape[1]
+
+    def one_chunk():
+        dlogits_chunk(hidden, weight[:width], targets, 0, 1.0, *[ones] * 4, d_logits, cfg)
+
+    return one_chunk, weight.shape[0] / width
+
+
 def sweep(num_tokens: int, hidden_size: int, vocab: int) -> tuple[list[dict], object]:
-    """Time each candidate tile in both kernels; returns rows and the fastest config."""
+    """Time each variant of both kernels; returns rows and the config of the fastest ones."""
     hidden = torch.randn(num_tokens, hidden_size, device="cuda").bfloat16()
     weight = (torch.randn(vocab, hidden_size, device="cuda") * 0.02).bfloat16()
     targets = torch.randint(0, vocab, (num_tokens,), device="cuda")
-    ones = torch.ones(num_tokens, device="cuda")
-    base = triton_config.GPU_CONFIG
-    width = TritonStages._chunk_width(num_tokens, vocab, 2, base)
+    width = TritonStages._chunk_width(num_tokens, vocab, 2, triton_config.GPU_CONFIG)
     d_logits = torch.empty(num_tokens, width, dtype=torch.bfloat16, device="cuda")
-    rows, best = [], {}
-    variants = [("forward", tile, base.tiles_per_program) for tile in CANDIDATES]
-    variants += [("forward", CANDIDATES[0], tpp) for tpp in (1, 32)]
-    variants += [("backward", tile, None) for tile in CANDIDATES]
-    for kernel, tile, tpp in variants:
-        if kernel == "forward":
-            cfg = dataclasses.replace(base, forward=tile, tiles_per_program=tpp)
-
-            def fn(cfg=cfg):
-                return forward_partials(hidden, weight, targets, 0, 1.0, cfg)
-
-            scale = 1.0
-        else:
-            cfg = dataclasses.replace(base, backward=tile)
-
-            def fn(cfg=cfg):
-                dlogits_chunk(
-                    hidden, weight[:width], targets, 0, 1.0, ones, ones, ones, ones, d_logits, cfg
-                )
-
-            scale = vocab / width  # one chunk timed, reported for the whole vocab
+    data = (hidden, weight, targets, torch.ones(num_tokens, device="cuda"), d_logits)
+    rows = []
+    for kernel, tile, tpp, tma in VARIANTS:
         row = {"kernel": kernel, "tile": dataclasses.asdict(tile), "tiles_per_program": tpp}
+        row["use_tma"] = tma
         try:
+            fn, scale = _sweep_fn(kernel, tile, tpp, tma, data)
             row["ms"] = time_ms(fn, warmup=1, iters=5) * scale
-        except Exception as exc:  # a tile that does not fit (shared memory) is skipped, noted
+        except Exception as exc:  # a tile that does not fit (shared memory) is noted, skipped
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rows.append(row)
         print("sweep", row, flush=True)
-        if "ms" in row and row["ms"] < best.get(kernel, (float("inf"),))[0]:
-            best[kernel] = (row["ms"], tile, tpp)
+    timed = [r for r in rows if "ms" in r]
+    fwd = min((r for r in timed if r["kernel"] == "forward"), key=lambda r: r["ms"])
+    same_loads = [r for r in timed if r["kernel"] == "backward" and r["use_tma"] == fwd["use_tma"]]
+    bwd = min(same_loads, key=lambda r: r["ms"])
     chosen = dataclasses.replace(
-        base, forward=best["forward"][1], tiles_per_program=best["forward"][2],
-        backward=best["backward"][1],
+        triton_config.GPU_CONFIG, forward=TileShape(**fwd["tile"]),
+        tiles_per_program=fwd["tiles_per_program"], backward=TileShape(**bwd["tile"]),
+        use_tma=fwd["use_tma"],
     )  # fmt: skip
     return rows, chosen
+
+
+def breakdown(num_tokens: int, hidden_size: int, vocab: int) -> dict:
+    """Where lce's time goes at one shape: the stages alone vs through the autograd function."""
+    inp = make_inputs(num_tokens, hidden_size, vocab)
+    hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"].clamp(min=-1)
+    stages = TritonStages()
+    stats = stages.forward_stats(hidden, weight, targets, 0, 1.0)
+    lse = stats.max + stats.sumexp.log()
+    expected = stats.max + stats.sumexp_z / stats.sumexp
+    upstream = (inp["upstream"], torch.zeros_like(lse))
+    args = (hidden, weight, targets, 0, 1.0, lse, expected, *upstream)
+    out = {
+        "forward_stats_ms": time_ms(lambda: stages.forward_stats(hidden, weight, targets, 0, 1.0)),
+        "backward_grads_ms": time_ms(lambda: stages.backward_grads(*args, True, True)),
+        "backward_grad_weight_only_ms": time_ms(lambda: stages.backward_grads(*args, False, True)),
+        "backward_grad_hidden_only_ms": time_ms(lambda: stages.backward_grads(*args, True, False)),
+    }
+    for chunk_mib in (64, 1024):
+        cfg = dataclasses.replace(triton_config.GPU_CONFIG, chunk_bytes=chunk_mib << 20)
+        sized = TritonStages(cfg)
+        out[f"backward_grads_chunk{chunk_mib}MiB_ms"] = time_ms(
+            lambda s=sized: s.backward_grads(*args, True, True)
+        )
+    print("breakdown", out, flush=True)
+    return out
 
 
 # ---------------------------------------------------------------- (3) benchmark
@@ -347,6 +395,7 @@ def main() -> None:
     if not args.no_sweep:
         report["sweep"], chosen = sweep(*SHAPES["llama3-8k"])
         triton_config.GPU_CONFIG = chosen
+    report["breakdown_llama3-8k"] = breakdown(*SHAPES["llama3-8k"])
     report["config"] = dataclasses.asdict(triton_config.GPU_CONFIG)
     print("config", report["config"], flush=True)
     peers = peer_losses()

@@ -11,14 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
-from lce.backends.triton.config import TritonConfig, interpreting
-from lce.backends.triton.tiles import grouped_tile, logits_tile, round_bf16_rne
+from lce.backends.triton.config import TritonConfig
+from lce.backends.triton.operands import operand_args
+from lce.backends.triton.tiles import grouped_tile, logits_tile, logits_tile_tma, round_bf16_rne
 
 
 @triton.jit
 def _dlogits_kernel(
-    hidden_ptr,
-    weight_ptr,
+    hidden,
+    weight,
     targets_ptr,
     lse_ptr,
     expected_ptr,
@@ -44,6 +45,7 @@ def _dlogits_kernel(
     EVEN_H: tl.constexpr,
     BF16_INTERPRETED: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_t, pid_v = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.cdiv(C, BLOCK_V), GROUP)
     offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -51,10 +53,16 @@ def _dlogits_kernel(
     in_t = offs_t < T
     in_v = offs_v < C
     rows = offs_t % T
-    acc = logits_tile(
-        hidden_ptr, weight_ptr, rows, offs_v % C, H, stride_ht, stride_hh, stride_wv, stride_wh,
-        BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, BF16_INTERPRETED, PRECISION,
-    )  # fmt: skip
+    if USE_TMA:
+        acc = logits_tile_tma(
+            hidden, weight, pid_t * BLOCK_T, pid_v * BLOCK_V, H,
+            BLOCK_T, BLOCK_V, BLOCK_H, BF16_INTERPRETED, PRECISION,
+        )  # fmt: skip
+    else:
+        acc = logits_tile(
+            hidden, weight, rows, offs_v % C, H, stride_ht, stride_hh, stride_wv, stride_wh,
+            BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, BF16_INTERPRETED, PRECISION,
+        )  # fmt: skip
     z = acc * inv_temp
     lse = tl.load(lse_ptr + rows)
     expected = tl.load(expected_ptr + rows)
@@ -96,13 +104,12 @@ def dlogits_chunk(
     tiles = config.backward
     grid = (triton.cdiv(num_tokens, tiles.block_t) * triton.cdiv(chunk, tiles.block_v),)
     _dlogits_kernel[grid](
-        hidden, weight_chunk, targets, lse, expected_logit, grad_logprob, grad_entropy, out,
-        num_tokens, chunk, hidden_size, chunk_start, 1.0 / temperature,
-        hidden.stride(0), hidden.stride(1), weight_chunk.stride(0), weight_chunk.stride(1),
-        grad_logprob.stride(0), grad_entropy.stride(0), out.stride(0),
+        targets_ptr=targets, lse_ptr=lse, expected_ptr=expected_logit,
+        grad_logprob_ptr=grad_logprob, grad_entropy_ptr=grad_entropy, dlogits_ptr=out,
+        T=num_tokens, C=chunk, H=hidden_size, chunk_start=chunk_start, inv_temp=1.0 / temperature,
+        stride_glp=grad_logprob.stride(0), stride_gent=grad_entropy.stride(0),
+        stride_dt=out.stride(0),
+        **operand_args(hidden, weight_chunk, tiles, config.use_tma),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
-        EVEN_H=hidden_size % tiles.block_h == 0,
-        BF16_INTERPRETED=interpreting() and weight_chunk.dtype == torch.bfloat16,
-        PRECISION=config.fp32_precision,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PRECISION=config.fp32_precision, **tiles.launch_options(),
     )  # fmt: skip

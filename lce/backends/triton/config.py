@@ -18,6 +18,8 @@ class TileShape:
     """One kernel's tile: ``block_t`` tokens x ``block_v`` vocab rows, H stepped by ``block_h``.
 
     ``group`` token tiles are scheduled side by side so they share weight tiles in L2.
+    ``max_registers`` caps registers per thread (Triton's ``maxnreg``), e.g. so two programs fit
+    on one SM and one's epilogue overlaps the other's matmul; None lets the compiler choose.
     """
 
     block_t: int
@@ -26,6 +28,14 @@ class TileShape:
     group: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    max_registers: int | None = None
+
+    def launch_options(self) -> dict[str, int]:
+        """Keyword arguments of a kernel launch besides the kernel's own."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_registers is not None:
+            options["maxnreg"] = self.max_registers
+        return options
 
     def __post_init__(self) -> None:
         for name in ("block_t", "block_v", "block_h"):
@@ -45,6 +55,8 @@ class TritonConfig:
     ``chunk_bytes``: budget of the backward ``[T, chunk]`` d_logits buffer (weight's dtype).
     ``fp32_precision``: ``tl.dot`` mode for fp32 inputs; ``ieee`` (default) matches an fp32
     reference, ``tf32`` is faster and ~3e-4 relative. Low-precision inputs ignore it.
+    ``use_tma``: load tiles through TMA descriptors where the layout allows (16-byte aligned rows,
+    unit last stride); other layouts use pointer loads either way.
     ``grad_weight_fp32``: True returns grad_weight in fp32 (the StageBackend contract); False in
     weight's dtype, written by the GEMM from its fp32 accumulator (the same single rounding as a
     later cast, without the fp32 ``[V_local, H]`` buffer).
@@ -55,6 +67,7 @@ class TritonConfig:
     tiles_per_program: int = 8
     chunk_bytes: int = 256 << 20
     fp32_precision: str = "ieee"
+    use_tma: bool = True
     grad_weight_fp32: bool = True
 
     def __post_init__(self) -> None:
@@ -79,7 +92,7 @@ INTERPRETER_CONFIG = TritonConfig(
 # Hopper (H100/H200) bf16, picked by benchmarks/kernel_gpu.py's sweep (see docs/bench/triton.md).
 GPU_CONFIG = TritonConfig(
     forward=TileShape(block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=4),
-    backward=TileShape(block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=4),
+    backward=TileShape(block_t=128, block_v=256, block_h=64, group=16, num_warps=8, num_stages=3),
 )
 
 

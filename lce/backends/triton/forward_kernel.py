@@ -11,14 +11,15 @@ import triton
 import triton.language as tl
 
 from lce.backends.base import ShardStats
-from lce.backends.triton.config import TritonConfig, interpreting
-from lce.backends.triton.tiles import grouped_tile, logits_tile
+from lce.backends.triton.config import TritonConfig
+from lce.backends.triton.operands import operand_args
+from lce.backends.triton.tiles import grouped_tile, logits_tile, logits_tile_tma
 
 
 @triton.jit
 def _forward_partials_kernel(
-    hidden_ptr,
-    weight_ptr,
+    hidden,
+    weight,
     targets_ptr,
     partials_ptr,
     T,
@@ -40,6 +41,7 @@ def _forward_partials_kernel(
     EVEN_H: tl.constexpr,
     BF16_INTERPRETED: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_t, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_T), num_splits, GROUP)
     offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -57,10 +59,16 @@ def _forward_partials_kernel(
     for i in range(0, num_tiles):
         offs_v = (first_tile + i).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
         in_v = offs_v < V
-        acc = logits_tile(
-            hidden_ptr, weight_ptr, rows, offs_v % V, H, stride_ht, stride_hh, stride_wv,
-            stride_wh, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, BF16_INTERPRETED, PRECISION,
-        )  # fmt: skip
+        if USE_TMA:
+            acc = logits_tile_tma(
+                hidden, weight, pid_t * BLOCK_T, (first_tile + i) * BLOCK_V, H,
+                BLOCK_T, BLOCK_V, BLOCK_H, BF16_INTERPRETED, PRECISION,
+            )  # fmt: skip
+        else:
+            acc = logits_tile(
+                hidden, weight, rows, offs_v % V, H, stride_ht, stride_hh, stride_wv, stride_wh,
+                BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, BF16_INTERPRETED, PRECISION,
+            )  # fmt: skip
         z = acc * inv_temp
         is_target = (offs_v[None, :] == local_target[:, None]) & in_v[None, :]
         target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
@@ -116,14 +124,12 @@ def forward_partials(
     partials = torch.empty(4, num_splits, num_tokens, dtype=torch.float32, device=hidden.device)
     grid = (triton.cdiv(num_tokens, tiles.block_t) * num_splits,)
     _forward_partials_kernel[grid](
-        hidden, weight, targets, partials,
-        num_tokens, vocab_local, hidden_size, vocab_start, 1.0 / temperature,
-        num_splits, tiles_per_split, num_splits * num_tokens,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        targets_ptr=targets, partials_ptr=partials,
+        T=num_tokens, V=vocab_local, H=hidden_size, vocab_start=vocab_start,
+        inv_temp=1.0 / temperature, num_splits=num_splits, tiles_per_split=tiles_per_split,
+        plane=num_splits * num_tokens,
+        **operand_args(hidden, weight, tiles, config.use_tma),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
-        EVEN_H=hidden_size % tiles.block_h == 0,
-        BF16_INTERPRETED=interpreting() and weight.dtype == torch.bfloat16,
-        PRECISION=config.fp32_precision,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PRECISION=config.fp32_precision, **tiles.launch_options(),
     )  # fmt: skip
     return partials

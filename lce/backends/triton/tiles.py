@@ -70,6 +70,32 @@ def logits_tile(
 
 
 @triton.jit
+def logits_tile_tma(
+    hidden_desc,
+    weight_desc,
+    first_token,
+    first_vocab,
+    H,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BF16_INTERPRETED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """`logits_tile` through TMA descriptors: rows/columns past the end read as 0 (no masks)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_H)):
+        h = hidden_desc.load([first_token, k * BLOCK_H])
+        w = weight_desc.load([first_vocab, k * BLOCK_H])
+        if BF16_INTERPRETED:
+            # TRITON_INTERPRET=1 computes bf16 tl.dot wrongly; fp32 operands are exact there.
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(h, w.T, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def round_bf16_rne(x):
     """fp32 values rounded to the nearest bf16 (ties to even), still as fp32.
 

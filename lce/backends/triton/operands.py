@@ -1,0 +1,37 @@
+"""How a kernel reads ``hidden`` and ``weight``: TMA descriptors when the layout allows, else
+raw pointers with strides (any layout, masked H tail)."""
+
+from __future__ import annotations
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from lce.backends.triton.config import TileShape, interpreting
+
+
+def _tma_ok(tensor: torch.Tensor) -> bool:
+    """TMA needs a unit last stride and 16-byte aligned base and row stride."""
+    row_bytes = tensor.stride(0) * tensor.element_size()
+    return tensor.stride(1) == 1 and row_bytes % 16 == 0 and tensor.data_ptr() % 16 == 0
+
+
+def operand_args(
+    hidden: torch.Tensor, weight: torch.Tensor, tiles: TileShape, use_tma: bool
+) -> dict[str, object]:
+    """Keyword arguments shared by both kernels: the two operands and how to load them."""
+    tma = use_tma and _tma_ok(hidden) and _tma_ok(weight)
+    args: dict[str, object] = {
+        "stride_ht": hidden.stride(0),
+        "stride_hh": hidden.stride(1),
+        "stride_wv": weight.stride(0),
+        "stride_wh": weight.stride(1),
+        "USE_TMA": tma,
+        "EVEN_H": hidden.shape[1] % tiles.block_h == 0,
+        "BF16_INTERPRETED": interpreting() and weight.dtype == torch.bfloat16,
+    }
+    if tma:
+        args["hidden"] = TensorDescriptor.from_tensor(hidden, [tiles.block_t, tiles.block_h])
+        args["weight"] = TensorDescriptor.from_tensor(weight, [tiles.block_v, tiles.block_h])
+    else:
+        args["hidden"], args["weight"] = hidden, weight
+    return args

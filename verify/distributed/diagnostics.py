@@ -7,13 +7,12 @@ waiting in a collective, as in a real mismatched-collective bug.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from verify.distributed.worker import JobContext
+from verify.distributed.worker import JobContext, load_function
 
 
 def allreduce_sum(payload: dict, ctx: JobContext) -> dict:
@@ -30,34 +29,35 @@ def raise_on(payload: dict, ctx: JobContext) -> None:
     if ctx.tp_rank == payload["tp_rank"]:
         raise ValueError(f"planted failure on tp_rank {ctx.tp_rank}: {payload['message']}")
     if payload.get("others_wait", False):
-        dist.all_reduce(torch.zeros(1, device=ctx.device), group=ctx.tp_group)
+        _allreduce_now(ctx)
 
 
 def exit_on(payload: dict, ctx: JobContext) -> None:
     """After one all-reduce, TP rank ``payload['tp_rank']`` exits the process (``os._exit``)
     while the others enter a second all-reduce."""
-    dist.all_reduce(torch.ones(1, device=ctx.device), group=ctx.tp_group)
+    _allreduce_now(ctx)
     if ctx.tp_rank == payload["tp_rank"]:
         os._exit(payload.get("code", 3))
-    dist.all_reduce(torch.ones(1, device=ctx.device), group=ctx.tp_group)
+    _allreduce_now(ctx)
 
 
 def skip_collective_on(payload: dict, ctx: JobContext) -> int:
     """Every TP rank but ``payload['tp_rank']`` enters an all-reduce: they hang."""
     if ctx.tp_rank != payload["tp_rank"]:
-        dist.all_reduce(torch.ones(1, device=ctx.device), group=ctx.tp_group)
+        _allreduce_now(ctx)
     return ctx.rank
+
+
+def _allreduce_now(ctx: JobContext) -> float:
+    """An all-reduce that has completed on return (NCCL enqueues asynchronously; `item` waits)."""
+    value = torch.ones(1, device=ctx.device)
+    dist.all_reduce(value, group=ctx.tp_group)
+    return value.item()
 
 
 def pid(payload: object, ctx: JobContext) -> int:
     """This worker's process id (tests check that closed pools leave no process behind)."""
     return os.getpid()
-
-
-def sleep(payload: dict, ctx: JobContext) -> float:
-    """Sleep ``payload['seconds']`` then return them (timing and timeout checks)."""
-    time.sleep(payload["seconds"])
-    return payload["seconds"]
 
 
 def self_check(pool: Any, argv: list[str]) -> int:
@@ -73,3 +73,32 @@ def self_check(pool: Any, argv: list[str]) -> int:
         failures += not ok
         print(f"tp={tp}: sums {sums}, expected {expected}: {'ok' if ok else 'WRONG'}", flush=True)
     return 1 if failures else 0
+
+
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "broadcast", "barrier", "all_to_all_single",
+)  # fmt: skip
+
+
+def count_collectives(payload: dict, ctx: JobContext) -> dict:
+    """Run ``payload['job']`` on ``payload['payload']`` counting torch.distributed collectives
+    (called through ``torch.distributed.<name>``); returns ``{"result", "collectives"}``."""
+    calls: dict[str, int] = {}
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counted(name: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for name, original in originals.items():
+        setattr(dist, name, counted(name, original))
+    try:
+        result = load_function(payload["job"])(payload["payload"], ctx)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"result": result, "collectives": calls}

@@ -88,6 +88,8 @@ def execute(request: JobRequest, topology: rendezvous.Topology) -> Reply:
     try:
         fn = load_function(request.job)
         result = fn(request.payload, context(topology, request.tp))
+        if topology.device.type == "cuda":  # a kernel's async error belongs to this job
+            torch.cuda.synchronize(topology.device)
         data = pickle.dumps(_to_cpu(result), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:
         seconds = time.perf_counter() - start

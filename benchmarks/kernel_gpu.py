@@ -119,25 +119,21 @@ def _tile(block_t, block_v, block_h, stages, warps=8, group=16, regs=None) -> Ti
 
 # (kernel, tile, forward vocab tiles per program, TMA loads)
 VARIANTS = [
-    ("forward", _tile(128, 128, 64, 4), 8, True),
-    ("forward", _tile(128, 128, 64, 4), 8, False),
-    ("forward", _tile(128, 128, 64, 3), 8, True),
-    ("forward", _tile(128, 128, 64, 3), 1, True),
-    ("forward", _tile(128, 256, 64, 3), 8, True),
     ("forward", _tile(128, 256, 64, 3), 1, True),
-    ("forward", _tile(256, 128, 64, 3), 8, True),
-    ("forward", _tile(128, 128, 128, 3), 8, True),
-    ("forward", _tile(128, 128, 64, 4, group=8), 4, True),
-    ("forward", _tile(128, 128, 64, 3, regs=128), 8, True),
-    ("forward", _tile(128, 256, 64, 4), 8, True),
+    ("forward", _tile(128, 256, 64, 3), 1, False),
+    ("forward", _tile(128, 256, 64, 3), 2, True),
+    ("forward", _tile(128, 256, 64, 3), 4, True),
+    ("forward", _tile(128, 256, 64, 4), 1, True),
+    ("forward", _tile(128, 256, 64, 3, group=8), 1, True),
+    ("forward", _tile(256, 128, 64, 3), 1, True),
+    ("forward", _tile(128, 128, 64, 4), 1, True),
     ("backward", _tile(128, 128, 64, 4), None, True),
+    ("backward", _tile(128, 128, 64, 4), None, False),
     ("backward", _tile(128, 256, 64, 3), None, True),
-    ("backward", _tile(128, 256, 64, 3), None, False),
-    ("backward", _tile(128, 128, 64, 3), None, True),
-    ("backward", _tile(256, 128, 64, 3), None, True),
-    ("backward", _tile(128, 128, 128, 3), None, True),
-    ("backward", _tile(128, 128, 64, 3, regs=128), None, True),
     ("backward", _tile(128, 256, 64, 4), None, True),
+    ("backward", _tile(128, 128, 128, 3), None, True),
+    ("backward", _tile(128, 128, 64, 4, group=8), None, True),
+    ("backward", _tile(256, 128, 64, 3), None, True),
 ]
 
 

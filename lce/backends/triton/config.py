@@ -91,8 +91,9 @@ INTERPRETER_CONFIG = TritonConfig(
 
 # Hopper (H100/H200) bf16, picked by benchmarks/kernel_gpu.py's sweep (see docs/bench/triton.md).
 GPU_CONFIG = TritonConfig(
-    forward=TileShape(block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=4),
-    backward=TileShape(block_t=128, block_v=256, block_h=64, group=16, num_warps=8, num_stages=3),
+    forward=TileShape(block_t=128, block_v=256, block_h=64, group=16, num_warps=8, num_stages=3),
+    backward=TileShape(block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=4),
+    tiles_per_program=1,
 )
 
 

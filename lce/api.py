@@ -7,10 +7,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lce.autograd import FusedLogprobEntropy
-from lce.backends import get_stages, resolve_backend_name
+from lce.autograd import FusedLogprobEntropy, FusedScalarLoss
+from lce.backends import StageBackend, get_stages, resolve_backend_name
 from lce.options import LCEOptions
-from lce.tp import resolve_shard
+from lce.tp import VocabShard, resolve_shard
 from lce.validation import check_inputs, check_reduction
 
 
@@ -83,6 +83,15 @@ def linear_cross_entropy(
     options = LCEOptions(
         ignore_index, temperature, tp_group, vocab_start, reduce_grad_hidden, backend, chunk_size
     )
+    if reduction != "none" and _grads_wanted(hidden, weight):
+        check_inputs(hidden, weight, targets, options)
+        stages, shard = _stages_and_shard(hidden, weight, options)
+        if hasattr(stages, "loss_grads_in_forward"):
+            return FusedScalarLoss.apply(
+                hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+                options.ignore_index, options.temperature, shard, options.reduce_grad_hidden,
+                stages, reduction,
+            )  # fmt: skip
     logprobs = _token_outputs(hidden, weight, targets, options).logprobs
     if reduction == "none":
         return -logprobs
@@ -96,9 +105,7 @@ def _token_outputs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, options: LCEOptions
 ) -> TokenOutputs:
     check_inputs(hidden, weight, targets, options)
-    backend = resolve_backend_name(options.backend, hidden.device)
-    stages = get_stages(backend, hidden.device, options.chunk_size)
-    shard = resolve_shard(options.tp_group, options.vocab_start, weight.shape[0], weight.device)
+    stages, shard = _stages_and_shard(hidden, weight, options)
     logprobs, entropy = FusedLogprobEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
@@ -110,3 +117,16 @@ def _token_outputs(
         stages,
     )
     return TokenOutputs(logprobs.view(targets.shape), entropy.view(targets.shape))
+
+
+def _grads_wanted(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+
+
+def _stages_and_shard(
+    hidden: torch.Tensor, weight: torch.Tensor, options: LCEOptions
+) -> tuple[StageBackend, VocabShard]:
+    backend = resolve_backend_name(options.backend, hidden.device)
+    stages = get_stages(backend, hidden.device, options.chunk_size)
+    shard = resolve_shard(options.tp_group, options.vocab_start, weight.shape[0], weight.device)
+    return stages, shard

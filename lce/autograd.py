@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import torch
 
-from lce.backends.base import StageBackend
+from lce.backends.base import ShardStats, StageBackend
 from lce.tp import VocabShard, merge_stats, reduce_grad_hidden
 from lce.validation import raise_on_bad_targets
 
@@ -84,3 +85,64 @@ class FusedLogprobEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+class FusedScalarLoss(torch.autograd.Function):
+    """``sum`` or ``mean`` cross-entropy with its gradients computed during the forward pass.
+
+    For backends with ``loss_grads_in_forward``: the upstream gradient of a scalar loss is known up
+    to one factor, so each logits chunk is computed once (3 GEMMs instead of 4); backward only
+    scales the saved fp32 gradients by ``grad_output``. Same contract as `FusedLogprobEntropy`.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        ignore_index: int,
+        temperature: float,
+        shard: VocabShard,
+        reduce_hidden: bool,
+        stages: StageBackend,
+        reduction: str,
+    ) -> torch.Tensor:
+        ignored = targets == ignore_index
+        kernel_targets = torch.where(ignored, IGNORED, targets.long())
+        local = kernel_targets - shard.vocab_start
+        owned = (local >= 0) & (local < shard.vocab_local)
+        valid_count = (~ignored).sum()
+        scale = 1.0 if reduction == "sum" else 1.0 / valid_count.clamp_min(1)
+        grad_logprob = torch.where(ignored, 0.0, -scale).float()
+        per_token = torch.zeros(2, targets.shape[0], dtype=torch.float32, device=targets.device)
+        logprobs, owners = per_token.unbind(0)
+
+        def merge(stats: ShardStats, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+            chunk = ShardStats(*(getattr(stats, f.name)[rows] for f in fields(ShardStats)))
+            merged = merge_stats(chunk, owned[rows], shard.group)
+            logprobs[rows] = merged.target_logit - merged.lse
+            owners[rows] = merged.owners
+            return merged.lse, merged.entropy
+
+        _, grad_hidden, grad_weight = stages.loss_grads_in_forward(
+            hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start, temperature,
+            merge, grad_logprob, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+        )  # fmt: skip
+        raise_on_bad_targets(targets, owners, ignore_index)
+        if grad_hidden is not None and reduce_hidden:
+            reduce_grad_hidden(grad_hidden, shard.group)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        total = -torch.where(ignored, 0.0, logprobs).sum()
+        return total if reduction == "sum" else total / valid_count
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        scaled = [
+            None if grad is None else (grad * grad_loss).to(dtype)
+            for grad, dtype in ((grad_hidden, hidden_dtype), (grad_weight, weight_dtype))
+        ]
+        return (*scaled, None, None, None, None, None, None, None)

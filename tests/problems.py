@@ -1,6 +1,6 @@
 """Small deterministic LCE problems for the core tests: non-uniform weights, peaked rows, ignores.
 
-Every tensor comes from one ``torch.Generator`` seeded by the caller, built in float64 and then cast.
+Every tensor comes from one ``torch.Generator`` seeded by the caller, built in float64, then cast.
 """
 
 from __future__ import annotations

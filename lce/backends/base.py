@@ -30,7 +30,11 @@ class ShardStats:
 
 
 class StageBackend(Protocol):
-    """What a backend provides; `lce.autograd` does the rest (TP merge, masking, reduction)."""
+    """What a backend provides; `lce.autograd` does the rest (TP merge, masking, reduction).
+
+    A backend may also offer ``loss_grads_in_forward`` (see `TorchChunkedStages`): stats and the
+    gradients of a scalar loss in one pass over the logits, which `lce.linear_cross_entropy` uses.
+    """
 
     def forward_stats(
         self,

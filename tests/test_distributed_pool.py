@@ -156,7 +156,7 @@ _DRIVER = """
 import sys, time
 from verify.distributed import WorkerPool
 pool = WorkerPool(world_size=2, timeout_s=30)
-print(*pool.pids, flush=True)
+print(pool.tempdir, *pool.pids, flush=True)
 time.sleep(600)
 """
 
@@ -166,12 +166,14 @@ def test_workers_exit_when_the_driver_is_killed():
         [sys.executable, "-c", _DRIVER], stdout=subprocess.PIPE, text=True, env=_env()
     )
     try:
-        pids = [int(pid) for pid in driver.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        tempdir, *pids = driver.stdout.readline().split()
+        pids = [int(pid) for pid in pids]
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids) and os.path.isdir(tempdir)
     finally:
         driver.send_signal(signal.SIGKILL)  # no atexit, no finalizer: only the workers' watch
         driver.wait()
     assert _wait_gone(pids, 5.0) == []
+    assert not os.path.exists(tempdir)
 
 
 def test_torchrun_launcher_runs_the_same_workers():

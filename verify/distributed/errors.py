@@ -91,7 +91,7 @@ class WorkerHung(PoolError):
 
 def _during(job: str | None, payload: Any) -> str:
     if job is None:
-        return "outside a job (start-up or idle)"
+        return "outside a job (start-up or idle; its stderr shows why)"
     return f"while running {describe(job, payload)}"
 
 

@@ -11,6 +11,7 @@ import functools
 import importlib
 import os
 import pickle
+import shutil
 import sys
 import threading
 import time
@@ -117,15 +118,21 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit at once when the driver is gone, even while a collective hangs (no orphans)."""
+def _watch_parent(parent_pid: int, store_dir: str) -> None:
+    """Leave when the driver is gone, even while a collective hangs (no orphans)."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(0.5)
-        os._exit(70)
+        _driver_gone(store_dir)
 
     threading.Thread(target=watch, name="lce-parent-watch", daemon=True).start()
+
+
+def _driver_gone(store_dir: str) -> None:
+    """Remove the store's directory (a killed driver could not) and exit at once."""
+    shutil.rmtree(store_dir, ignore_errors=True)
+    os._exit(70)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--preload", default="")
     args = parser.parse_args(argv)
-    _exit_with_parent(args.parent_pid)
+    store_dir = os.path.dirname(args.store)
+    _watch_parent(args.parent_pid, store_dir)
     start = time.perf_counter()
     torch.set_num_threads(args.threads)
     channel = PipeChannel(Connection(args.fd))
@@ -151,8 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     channel.send(Ready(args.rank, os.getpid(), time.perf_counter() - start))
     try:
         serve(channel, topology)
-    finally:
-        rendezvous.leave()
+    except EOFError:  # the driver's end of the channel closed: it died without a Shutdown
+        _driver_gone(store_dir)
+    rendezvous.leave()
     # Skip interpreter teardown (about 1 s of torch finalizers per worker on 2 busy cores).
     sys.stdout.flush()
     sys.stderr.flush()

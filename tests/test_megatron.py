@@ -1,0 +1,67 @@
+"""lce.megatron against megatron-core's stock LM head, on real megatron-core objects (CPU, gloo).
+
+One spawned world of 2 ranks runs every case of ``ci/gpu_megatron_check.py`` (the same script the
+GPU check runs with NCCL and Triton) at TP=1 (DP=2) and TP=2, sequence parallel off and on:
+ColumnParallelLinear + vocab_parallel_cross_entropy as B, float64 materialized R, tolerances.yaml
+(ratio tier against the stock path, envelope tier against R). TP=1 runs inside the 2-rank world as
+DP=2 x TP=1, so a separate 1-process world would repeat the same cases.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed: pip install lce[megatron]"
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check_script():
+    if str(ROOT) not in sys.path:  # spawned ranks import the script's worker by module name
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module("ci.gpu_megatron_check")
+
+
+# Case families every run must contain at each TP degree (a case that silently did not run fails).
+EXPECTED = {
+    1: ("loss/fp32/sp=0", "loss/bf16/sp=0", "loss/fp32_bf16/sp=0", "logprobs/fp32/sp=0",
+        "logprobs/bf16/sp=0", "logprobs/fp32_bf16/sp=0", "stock-fallback/fp32", "tied-gpt/fp32",
+        "fallback-bias"),
+    2: ("loss/fp32/sp=1", "loss/bf16/sp=1", "loss/fp32_bf16/sp=1", "logprobs/fp32/sp=1",
+        "logprobs/bf16/sp=1", "logprobs/fp32_bf16/sp=1", "tied-gpt/fp32", "fallback-warning"),
+}  # fmt: skip
+
+
+def test_fused_megatron_head_equals_stock(tmp_path: Path) -> None:
+    rows = _check_script().run(2, "torch", tmp_path)
+    ran = {(row["tp"], row["case"]) for row in rows}
+    missing = [
+        (tp, case) for tp, cases in EXPECTED.items() for case in cases if (tp, case) not in ran
+    ]
+    assert not missing, f"cases that did not run: {missing}"
+    failed = [
+        f"tp={row['tp']} {row['case']} {row['output']}: {row['detail']}"
+        for row in rows
+        if not row["passed"]
+    ]
+    assert not failed, "\n".join(failed)
+
+
+def test_patch_and_inputs_reject_misuse() -> None:
+    import torch
+
+    from lce.megatron import output_layer_loss, patch_gpt_model
+
+    with pytest.raises(ValueError, match="not a megatron-core GPTModel"):
+        patch_gpt_model(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="returns must be one of"):
+        patch_gpt_model(torch.nn.Linear(2, 2), returns="logits")
+    layer = torch.nn.Linear(4, 6)
+    with pytest.raises(ValueError, match=r"hidden must be \[S, B, H\] and labels \[B, S\]"):
+        output_layer_loss(torch.zeros(3, 4), layer, torch.zeros(3, dtype=torch.long))

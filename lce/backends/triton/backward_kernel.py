@@ -25,7 +25,7 @@ def _dlogits_kernel(
     expected_ptr,
     grad_logprob_ptr,
     grad_entropy_ptr,
-    dlogits,
+    dlogits_ptr,
     T,
     C,
     H,
@@ -78,12 +78,9 @@ def _dlogits_kernel(
     if BF16_INTERPRETED:
         # The interpreter truncates fp32 -> bf16; round to nearest as the GPU does.
         d_logits = round_bf16_rne(d_logits)
-    if USE_TMA:
-        # The descriptor clips rows/columns past the end of the chunk.
-        dlogits.store([pid_t * BLOCK_T, pid_v * BLOCK_V], d_logits.to(dlogits.dtype))
-    else:
-        out = dlogits + offs_t[:, None] * stride_dt + offs_v[None, :]
-        tl.store(out, d_logits.to(dlogits.dtype.element_ty), mask=in_t[:, None] & in_v[None, :])
+    # A pointer store: a TMA store of the tile measured 5-30% slower on an H200 (triton 3.6).
+    out = dlogits_ptr + offs_t[:, None] * stride_dt + offs_v[None, :]
+    tl.store(out, d_logits.to(dlogits_ptr.dtype.element_ty), mask=in_t[:, None] & in_v[None, :])
 
 
 def dlogits_chunk(
@@ -109,11 +106,11 @@ def dlogits_chunk(
     grid = (triton.cdiv(num_tokens, tiles.block_t) * triton.cdiv(chunk, tiles.block_v),)
     _dlogits_kernel[grid](
         targets_ptr=targets, lse_ptr=lse, expected_ptr=expected_logit,
-        grad_logprob_ptr=grad_logprob, grad_entropy_ptr=grad_entropy,
+        grad_logprob_ptr=grad_logprob, grad_entropy_ptr=grad_entropy, dlogits_ptr=out,
         T=num_tokens, C=chunk, H=hidden_size, chunk_start=chunk_start, inv_temp=1.0 / temperature,
         stride_glp=grad_logprob.stride(0), stride_gent=grad_entropy.stride(0),
         stride_dt=out.stride(0),
-        **operand_args(hidden, weight_chunk, tiles, config.use_tma, dlogits=out),
+        **operand_args(hidden, weight_chunk, tiles, config.use_tma),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
         PRECISION=config.fp32_precision, **tiles.launch_options(),
     )  # fmt: skip

@@ -16,16 +16,10 @@ def _tma_ok(tensor: torch.Tensor) -> bool:
 
 
 def operand_args(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tiles: TileShape,
-    use_tma: bool,
-    dlogits: torch.Tensor | None = None,
+    hidden: torch.Tensor, weight: torch.Tensor, tiles: TileShape, use_tma: bool
 ) -> dict[str, object]:
-    """Keyword arguments shared by the kernels: the operands (and the backward kernel's
-    ``dlogits`` output tile store), all as descriptors or all as pointers."""
-    tensors = [t for t in (hidden, weight, dlogits) if t is not None]
-    tma = use_tma and all(_tma_ok(t) for t in tensors)
+    """Keyword arguments shared by both kernels: the two operands and how to load them."""
+    tma = use_tma and _tma_ok(hidden) and _tma_ok(weight)
     args: dict[str, object] = {
         "stride_ht": hidden.stride(0),
         "stride_hh": hidden.stride(1),
@@ -34,14 +28,10 @@ def operand_args(
         "USE_TMA": tma,
         "EVEN_H": hidden.shape[1] % tiles.block_h == 0,
         "BF16_INTERPRETED": interpreting() and weight.dtype == torch.bfloat16,
-        "hidden": hidden,
-        "weight": weight,
     }
-    if dlogits is not None:
-        args["dlogits"] = dlogits
     if tma:
         args["hidden"] = TensorDescriptor.from_tensor(hidden, [tiles.block_t, tiles.block_h])
         args["weight"] = TensorDescriptor.from_tensor(weight, [tiles.block_v, tiles.block_h])
-        if dlogits is not None:
-            args["dlogits"] = TensorDescriptor.from_tensor(dlogits, [tiles.block_t, tiles.block_v])
+    else:
+        args["hidden"], args["weight"] = hidden, weight
     return args

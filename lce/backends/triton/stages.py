@@ -90,9 +90,7 @@ class TritonStages:
         if num_tokens == 0 or vocab_local == 0 or not (need_hidden or need_weight):
             return grad_hidden, grad_weight
         width = self._chunk_width(num_tokens, vocab_local, weight.element_size(), config)
-        # Rows padded to 16 elements keep every chunk view 16-byte aligned (TMA stores).
-        padded = -(-width // 16) * 16
-        buffer = torch.empty(num_tokens, padded, dtype=weight.dtype, device=hidden.device)
+        buffer = torch.empty(num_tokens, width, dtype=weight.dtype, device=hidden.device)
         row_stats = (lse.float().contiguous(), expected_logit.float().contiguous())
         upstream = (grad_logprob.float(), grad_entropy.float())
         for start in range(0, vocab_local, width):

@@ -252,50 +252,79 @@ def _tied_model(ctx: Ctx, prob: Problem, positions: torch.Tensor):
     return model.to(ctx.device)
 
 
-def _tied_reference(prob: Problem, ids: torch.Tensor, positions: torch.Tensor):
-    """R for a tied GPT head: float64 autograd through the lookup and the LM head."""
-    weight = prob.weight.clone().requires_grad_()
-    hidden = weight[ids.T] + positions[:, None, :]  # [S, B, H]: word + learned position
+def _tied_reference(prob: Problem, ids: torch.Tensor, positions: torch.Tensor, entropy: bool):
+    """R for a tied GPT head: float64 autograd through the lookup and the LM head. Objective:
+    ``sum(g_loss * loss)``, plus ``sum(g_entropy * entropy)`` when ``entropy``."""
+    weight = prob.weight.float().double().requires_grad_()  # the model's fp32 rounding
+    hidden = (
+        weight[ids.T] + positions.float().double()[:, None, :]
+    )  # [S, B, H]: word + learned position
     logp = torch.log_softmax(hidden @ weight.T, dim=-1)
     loss = -logp.gather(-1, prob.labels.T[..., None]).squeeze(-1).T  # [B, S]
-    (loss * prob.g_loss).sum().backward()
-    return loss.detach(), weight.grad
+    ent = -(logp.exp() * logp).sum(-1).T
+    objective = (loss * prob.g_loss).sum() + (ent * prob.g_entropy).sum() * entropy
+    objective.backward()
+    return loss.detach(), ent.detach(), weight.grad
 
 
 def case_tied_gpt(ctx: Ctx, prob: Problem) -> None:
-    """A real GPTModel with tied embeddings: patched vs stock _postprocess, with the lookup."""
-    from lce.megatron import FusedOutputOptions, output_layer_loss, patch_gpt_model
+    """A real GPTModel with tied embeddings: patched vs stock _postprocess, through the lookup."""
+    from lce.megatron import FusedOutputOptions, patch_gpt_model
 
     gen = torch.Generator("cpu").manual_seed(SEED + 7)
     positions = torch.randn(S, H, generator=gen, dtype=torch.float64) * 0.5
     ids = torch.randint(0, V, (B, S), generator=gen)
     model = _tied_model(ctx, prob, positions.float())
     embed = model.embedding.word_embeddings.weight
-    ids_d, labels, g = ids.to(ctx.device), prob.labels.to(ctx.device), prob.g_loss.to(ctx.device)
+    ids_d, labels = ids.to(ctx.device), prob.labels.to(ctx.device)
+    g, g_ent = prob.g_loss.to(ctx.device), prob.g_entropy.to(ctx.device)
     pos = torch.arange(S, device=ctx.device).expand(B, S)
 
-    def objective() -> tuple[torch.Tensor, torch.Tensor]:
+    def postprocess(labels: torch.Tensor | None):
         model.zero_grad(set_to_none=True)
         hidden = model.embedding(input_ids=ids_d, position_ids=pos)
-        loss = model._postprocess(
+        return model._postprocess(
             hidden_states=hidden, input_ids=ids_d, position_ids=pos, labels=labels,
             rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
         )  # fmt: skip
+
+    def loss_and_grad() -> tuple[torch.Tensor, torch.Tensor]:
+        loss = postprocess(labels)
         (loss * g).sum().backward()
         return loss.detach(), embed.grad.detach().clone()
 
-    loss_b, grad_b = objective()
-    with patch_gpt_model(model, options=FusedOutputOptions(backend=ctx.backend)):
-        loss_k, grad_k = objective()
+    loss_b, grad_b = loss_and_grad()
+    options = FusedOutputOptions(backend=ctx.backend)
+    with patch_gpt_model(model, options=options):
+        loss_k, grad_k = loss_and_grad()
+        logits = postprocess(None)
+    ctx.check("tied-gpt", tuple(logits.shape) == (B, S, V // ctx.tp), "no labels: stock logits")
     ctx.check("tied-gpt", "_postprocess" not in model.__dict__, "remove() restores the model")
-    loss_r, grad_r = _tied_reference(prob, ids, positions)
+    loss_r, _, grad_r = _tied_reference(prob, ids, positions, entropy=False)
     _verdicts(ctx, "tied-gpt/fp32", "fp32", [
         ("loss", loss_k, loss_r, loss_b),
         ("grad_embedding", grad_k, ctx.local_rows(grad_r), grad_b),
     ])  # fmt: skip
-    hidden = model.embedding(input_ids=ids_d, position_ids=pos)
+    with patch_gpt_model(model, returns="logprobs", options=options):
+        out = postprocess(labels)
+        (-out.logprobs * g + out.entropy * g_ent).sum().backward()
+    loss_r, ent_r, grad_r = _tied_reference(prob, ids, positions, entropy=True)
+    _verdicts(ctx, "tied-gpt-logprobs/fp32", "fp32", [
+        ("logprobs", out.logprobs, -loss_r, None),
+        ("entropy", out.entropy, ent_r, None),
+        ("grad_embedding", embed.grad, ctx.local_rows(grad_r), None),
+    ])  # fmt: skip
+    _check_missing_weight_error(ctx, model.output_layer)
+
+
+def _check_missing_weight_error(ctx: Ctx, output_layer) -> None:
+    """A tied head has no weight of its own: calling it without ``weight=`` must say so."""
+    from lce.megatron import output_layer_loss
+
+    hidden = torch.zeros(S, B, H, device=ctx.device)
+    labels = torch.zeros(B, S, dtype=torch.long, device=ctx.device)
     try:
-        output_layer_loss(hidden, model.output_layer, labels)
+        output_layer_loss(hidden, output_layer, labels)
         ctx.check("tied-gpt", False, "weight=None with output_layer.weight None must raise")
     except ValueError as error:
         ctx.check("tied-gpt", "shared_embedding_or_output_weight" in str(error), str(error))

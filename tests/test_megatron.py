@@ -34,7 +34,8 @@ EXPECTED = {
         "logprobs/bf16/sp=0", "logprobs/fp32_bf16/sp=0", "stock-fallback/fp32", "tied-gpt/fp32",
         "fallback-bias"),
     2: ("loss/fp32/sp=1", "loss/bf16/sp=1", "loss/fp32_bf16/sp=1", "logprobs/fp32/sp=1",
-        "logprobs/bf16/sp=1", "logprobs/fp32_bf16/sp=1", "tied-gpt/fp32", "fallback-warning"),
+        "logprobs/bf16/sp=1", "logprobs/fp32_bf16/sp=1", "tied-gpt/fp32", "tied-gpt-logprobs/fp32",
+        "fallback-warning"),
 }  # fmt: skip
 
 

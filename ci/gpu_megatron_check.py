@@ -230,6 +230,14 @@ def case_logprobs(ctx: Ctx, prob: Problem, hdtype, wdtype, sp: bool) -> None:
     ctx.check(name, zero and bool(ignored.any()), "ignored labels give exactly 0")
 
 
+class Wrapped(torch.nn.Module):
+    """Holds a model as ``.module``, like megatron's DDP and Float16Module."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
 def _tied_model(ctx: Ctx, prob: Problem, positions: torch.Tensor):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -305,7 +313,8 @@ def case_tied_gpt(ctx: Ctx, prob: Problem) -> None:
         ("loss", loss_k, loss_r, loss_b),
         ("grad_embedding", grad_k, ctx.local_rows(grad_r), grad_b),
     ])  # fmt: skip
-    with patch_gpt_model(model, returns="logprobs", options=options):
+    # Through a wrapper with `.module`, as DDP / Float16Module hold the GPTModel.
+    with patch_gpt_model(Wrapped(model), returns="logprobs", options=options):
         out = postprocess(labels)
         (-out.logprobs * g + out.entropy * g_ent).sum().backward()
     loss_r, ent_r, grad_r = _tied_reference(prob, ids, positions, entropy=True)

@@ -66,3 +66,36 @@ def test_patch_and_inputs_reject_misuse() -> None:
     layer = torch.nn.Linear(4, 6)
     with pytest.raises(ValueError, match=r"hidden must be \[S, B, H\] and labels \[B, S\]"):
         output_layer_loss(torch.zeros(3, 4), layer, torch.zeros(3, dtype=torch.long))
+
+
+def _column_layer(**kwargs):
+    import torch
+    from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    config = ModelParallelConfig(use_cpu_initialization=True, perform_initialization=False)
+    return ColumnParallelLinear(4, 6, config=config, init_method=torch.nn.init.zeros_, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("layer_kwargs", "reason"),
+    [
+        ({"bias": False}, None),
+        ({"bias": True}, "bias"),
+        ({"bias": True, "skip_bias_add": True}, None),  # the bias is returned, not added: fusable
+        ({"bias": False, "disable_grad_reduce": True}, "disable_grad_reduce"),
+    ],
+)
+def test_which_output_layers_fall_back(layer_kwargs: dict, reason: str | None) -> None:
+    from lce.megatron.head import unsupported_reason
+
+    found = unsupported_reason(_column_layer(**layer_kwargs))
+    assert found is None if reason is None else reason in found
+
+
+def test_a_plain_linear_falls_back() -> None:
+    import torch
+
+    from lce.megatron.head import unsupported_reason
+
+    assert "not a ColumnParallelLinear" in unsupported_reason(torch.nn.Linear(4, 6))

@@ -356,23 +356,32 @@ def _args(inp: dict) -> dict:
     return {"hidden": inp["hidden"], "weight": inp["weight"], "targets": inp["targets"]}
 
 
+def _cell(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
 def print_table(result: dict) -> None:
+    """Markdown table of one shape; ratios against the faster of the two GEMM timings."""
     rows = result["rows"]
-    gemm = min(r["ms"] for r in rows if r["method"] == "1 bf16 GEMM")  # timed first and last
+    gemm = min(r["ms"] for r in rows if r["method"] == "1 bf16 GEMM" and "ms" in r)
     floors = {"fwd": gemm, "mean": 3 * gemm, "token": 4 * gemm}
     print(f"\n## {result['shape']} {result['T_H_V']}  (grads floor {result['grads_gib']:.2f} GiB)")
     print("| method | mode | ms | x floor | peak GiB | x grads | gx rel | gw rel |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['method']} | {r['mode']} | error: {r['error'][:80]} |||||")
+            print(f"| {r['method']} | {r['mode']} | error: {r['error'][:80]} | | | | | |")
             continue
-        mem_ratio = r["peak_gib"] / result["grads_gib"] if r["mode"] != "fwd" else float("nan")
-        print(
-            f"| {r['method']} | {r['mode']} | {r['ms']:.1f} | {r['ms'] / floors[r['mode']]:.2f} "
-            f"| {r['peak_gib']:.2f} | {mem_ratio:.2f} | {r.get('gx_rel', float('nan')):.1e} "
-            f"| {r.get('gw_rel', float('nan')):.1e} |"
-        )
+        grads = r["mode"] != "fwd"
+        cells = [
+            _cell(r["ms"], ".1f"),
+            _cell(r["ms"] / floors[r["mode"]], ".2f"),
+            _cell(r["peak_gib"], ".2f"),
+            _cell(r["peak_gib"] / result["grads_gib"] if grads else None, ".2f"),
+            _cell(r.get("gx_rel"), ".1e"),
+            _cell(r.get("gw_rel"), ".1e"),
+        ]
+        print(f"| {r['method']} | {r['mode']} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:

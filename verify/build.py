@@ -1,0 +1,250 @@
+"""Tensors of a case from its `CaseSpec` alone: one seeded CPU generator, float64, then cast.
+
+The global problem is drawn in a fixed order whatever the spec's options, then cast to the spec's
+dtypes; a rank takes its vocab shard of the cast weight. The same spec therefore gives bit-identical
+inputs at every TP degree, on every machine. Never the global RNG, never a per-rank seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verify.spec import DTYPES, LINEARITY_A, CaseSpec, shard_bounds
+
+IGNORE_INDEX = -100
+PEAK_MARGIN = 10.0  # peaked rows: target logit = row max + 10
+NEGATIVE_CEILING = 100.0  # negative rows: every logit <= -100 - |offset|
+SPREAD_SCALE = 30.0  # spread rows: logit std >= 30, a row range well past exp's 88 underflow
+TIE_SCALE = 0.5  # tied: hidden = base + 0.5 * embedding(weight); a power of two, exact in floats
+LOSS_SCALAR = -1.3  # upstream grad of a reduced loss when the pattern is not "ones"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The global case, flattened: ``hidden [N, H]``, ``weight [V, H]`` (cast), ``targets [N]``.
+
+    ``hidden`` is what the LM head sees (for tied cases ``hidden_base + TIE_SCALE *
+    weight[embed_ids]``, computed in hidden's dtype). Upstream gradients are fp32 ``[N]`` (``None``
+    when that output gets none); ``grad_loss`` is ``[N]`` for reduction none, else a 0-d tensor.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    grad_logprob: torch.Tensor
+    grad_entropy: torch.Tensor | None
+    grad_loss: torch.Tensor
+    hidden_base: torch.Tensor | None
+    embed_ids: torch.Tensor | None
+    offset_feature: bool  # column 0 of hidden is the constant 1 that carries the common offset
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.targets != IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Draws:
+    """Every random draw of a case, float64, always in the same order and amount."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    target_choice: torch.Tensor
+    ignore_choice: torch.Tensor
+    upstream: torch.Tensor  # [4, N]: logprob and entropy draws of two independent upstreams
+    embed_ids: torch.Tensor
+    permutation: torch.Tensor
+    retargets: torch.Tensor
+    perturbed: torch.Tensor
+
+
+def draw(spec: CaseSpec) -> Draws:
+    gen = torch.Generator("cpu").manual_seed(spec.seed)
+    n, h, v = spec.num_tokens, spec.hidden_size, spec.vocab
+    f64 = {"generator": gen, "dtype": torch.float64}
+    hidden = torch.randn(n, h, **f64)
+    # Log-normal row norms: uniform random weights hide most bugs (DESIGN.md).
+    row_norms = torch.exp(0.5 * torch.randn(v, 1, **f64))
+    weight = torch.randn(v, h, **f64) * row_norms
+    return Draws(
+        hidden=hidden,
+        weight=weight,
+        targets=torch.randint(0, v, (n,), generator=gen),
+        target_choice=torch.rand(n, **f64),
+        ignore_choice=torch.rand(n, **f64),
+        upstream=torch.randn(4, n, **f64),
+        embed_ids=torch.randint(0, v, (n,), generator=gen),
+        permutation=torch.randperm(v, generator=gen),
+        retargets=torch.randint(0, v, (n,), generator=gen),
+        perturbed=torch.randn(n, h, **f64),
+    )
+
+
+def build(spec: CaseSpec) -> Problem:
+    """The global problem of ``spec`` (after its transform), inputs cast to the spec's dtypes."""
+    d = draw(spec)
+    targets = _targets(spec, d)
+    hidden, weight = _logit_regime(spec, d, targets)
+    if spec.transform == "retarget":
+        targets = d.retargets.clone()  # after the regime: peaked rows keep their hidden
+    ignored = _ignored(spec, d.ignore_choice)
+    if spec.transform == "perturb_ignored":
+        hidden = torch.where(ignored[:, None], d.perturbed * 3.0, hidden)
+    if spec.transform == "fold_temperature":
+        hidden = hidden / spec.temperature
+    embed_ids = d.embed_ids
+    if spec.transform == "vocab_permute":
+        inverse = torch.argsort(d.permutation)  # new position of each old row
+        weight, targets, embed_ids = weight[d.permutation], inverse[targets], inverse[embed_ids]
+    targets = torch.where(ignored, IGNORE_INDEX, targets)
+    hidden_c = hidden.to(DTYPES[spec.hidden_dtype])
+    weight_c = weight.to(DTYPES[spec.weight_dtype])
+    hidden_base = None
+    if spec.tied:
+        hidden_base = hidden_c
+        hidden_c = tied_hidden(hidden_base, weight_c, embed_ids)
+    grad_logprob, grad_entropy, grad_loss = _upstream(spec, d.upstream)
+    return Problem(
+        hidden_c, weight_c, targets, grad_logprob, grad_entropy, grad_loss,
+        hidden_base, embed_ids if spec.tied else None, spec.regime in ("offset", "negative"),
+    )  # fmt: skip
+
+
+def tied_hidden(
+    hidden_base: torch.Tensor, weight: torch.Tensor, embed_ids: torch.Tensor
+) -> torch.Tensor:
+    """What the LM head sees in a tied model: ``hidden_base + TIE_SCALE * weight[embed_ids]``."""
+    return hidden_base + TIE_SCALE * weight[embed_ids].to(hidden_base.dtype)
+
+
+def effective_temperature(spec: CaseSpec) -> float:
+    """The temperature passed to lce: 1 when the transform folded it into hidden."""
+    return 1.0 if spec.transform == "fold_temperature" else spec.temperature
+
+
+def vocab_range(spec: CaseSpec, tp_rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of rank ``tp_rank``'s weight rows at ``spec.tp``."""
+    return shard_bounds(spec.vocab, spec.tp)[tp_rank]
+
+
+def explicit_vocab_start(spec: CaseSpec, tp_rank: int) -> int | None:
+    """None (lce's default ``rank * V_local``) for equal shards, else the rank's first id."""
+    return None if spec.vocab % spec.tp == 0 else vocab_range(spec, tp_rank)[0]
+
+
+def edge_ids(vocab: int) -> list[int]:
+    """0, V-1 and the first/last ids of every TP=2/4 shard, with their neighbours."""
+    ids = {0, vocab - 1}
+    for tp in (2, 4):
+        if vocab >= tp:
+            for start, stop in shard_bounds(vocab, tp):
+                ids.update((start - 1, start, start + 1, stop - 1))
+    return sorted(i for i in ids if 0 <= i < vocab)
+
+
+def _targets(spec: CaseSpec, d: Draws) -> torch.Tensor:
+    v = spec.vocab
+    if spec.target == "edges":
+        ids = torch.tensor(edge_ids(v))
+        return ids[(d.target_choice * len(ids)).long().clamp_max(len(ids) - 1)]
+    if spec.target == "high":
+        low = v - max(1, v // 4)
+        return low + (d.target_choice * (v - low)).long().clamp_max(v - low - 1)
+    if spec.target == "repeated" and spec.num_tokens:
+        return d.targets[:1].expand(spec.num_tokens).clone()
+    return d.targets.clone()
+
+
+def _ignored(spec: CaseSpec, choice: torch.Tensor) -> torch.Tensor:
+    n = spec.num_tokens
+    ignored = torch.zeros(n, dtype=torch.bool)
+    if spec.ignore == "first" and n:
+        ignored[0] = True
+    elif spec.ignore == "random":
+        ignored = choice < 0.3
+    elif spec.ignore == "chunk":
+        ignored[n // 4 : n // 4 + max(1, n // 2)] = True
+    elif spec.ignore == "all":
+        ignored[:] = True
+    return ignored
+
+
+def _logit_regime(
+    spec: CaseSpec, d: Draws, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 hidden and weight whose logits follow ``spec.regime`` (temperature included)."""
+    hidden, weight = d.hidden.clone(), d.weight.clone()
+    shifted = spec.regime in ("offset", "negative")
+    rest = slice(1, None) if shifted else slice(None)
+    width = max(weight[:, rest].shape[1], 1)
+    scale = max(spec.scale, SPREAD_SCALE) if spec.regime == "spread" else spec.scale
+    weight[:, rest] *= scale * spec.temperature / width**0.5
+    if spec.regime == "peaked" and spec.vocab > 1 and spec.num_tokens:
+        _peak(hidden, weight, targets, rest, PEAK_MARGIN * spec.temperature)
+    if shifted:
+        hidden[:, 0] = 1.0
+        weight[:, 0] = _offset_column(spec, hidden, weight)
+    return hidden, weight
+
+
+def _offset_column(spec: CaseSpec, hidden: torch.Tensor, weight: torch.Tensor) -> float:
+    if spec.transform == "unshift":
+        return 0.0
+    if spec.regime == "offset":
+        return spec.offset * spec.temperature
+    rest_max = (hidden[:, 1:] @ weight[:, 1:].T).max().item() if spec.num_tokens else 0.0
+    ceiling = -(NEGATIVE_CEILING + abs(spec.offset) + 1.0) * spec.temperature
+    return ceiling - rest_max
+
+
+def _peak(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cols: slice, margin: float
+) -> None:
+    """Move hidden rows so the target's logit leads the runner-up by ``margin`` (raw units)."""
+    rows = torch.arange(hidden.shape[0])
+    w = weight[:, cols]
+    for _ in range(6):  # each step settles one (target, runner-up) pair; others may overtake
+        logits = hidden[:, cols] @ w.T
+        target_logit = logits[rows, targets]
+        logits[rows, targets] = -torch.inf
+        others, runner_up = logits.max(dim=1)
+        # Along d = w_y - w_r the pair's margin grows by exactly |d|^2 per unit step.
+        direction = w[targets] - w[runner_up]
+        gain = (direction * direction).sum(1).clamp_min(1e-12)
+        step = ((margin - (target_logit - others)) / gain).clamp_min(0.0)
+        hidden[:, cols] += step[:, None] * direction
+
+
+def _upstream(
+    spec: CaseSpec, draws: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """fp32 ``[N]`` upstream gradients of logprobs and entropy, and the loss's upstream.
+
+    ``upstream_a``/``upstream_b``/``upstream_mix`` pick the spec's pattern, an independent random
+    draw, or ``LINEARITY_A * a + b`` (the upstream-linearity property).
+    """
+    pattern = {
+        "ones": torch.ones_like,
+        "scalar": lambda x: torch.full_like(x, -1.7),
+        "expanded": lambda x: torch.full_like(x, 0.6),
+        "zero_row0": lambda x: torch.cat([torch.zeros_like(x[:1]), x[1:]]),
+    }.get(spec.upstream, lambda x: x)
+    a = (pattern(draws[0]), pattern(draws[1]), _loss_upstream(spec, draws[0], pattern))
+    b = (draws[2], draws[3], draws[2] if spec.reduction == "none" else torch.tensor(0.4))
+    if spec.transform == "upstream_b":
+        chosen = b
+    elif spec.transform == "upstream_mix":
+        chosen = tuple(LINEARITY_A * x + y for x, y in zip(a, b, strict=True))
+    else:
+        chosen = a
+    grad_logprob, grad_entropy, grad_loss = (g.float() for g in chosen)
+    return grad_logprob, None if spec.upstream == "logprob_only" else grad_entropy, grad_loss
+
+
+def _loss_upstream(spec: CaseSpec, draw: torch.Tensor, pattern) -> torch.Tensor:
+    if spec.reduction == "none":
+        return pattern(draw)
+    return torch.tensor(1.0 if spec.upstream == "ones" else LOSS_SCALAR, dtype=torch.float64)

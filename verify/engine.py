@@ -1,0 +1,133 @@
+"""The function API of the property engine, shared by pytest, the CLI and the pool driver.
+
+`check_case(spec)` runs properties on one spec and returns their verdicts; `run_property(name)`
+lets Hypothesis search specs for one property (shrinking a failure to its minimal spec).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings, target
+from hypothesis import strategies as st
+
+from verify.profiles import profile_settings
+from verify.properties.registry import PROPERTIES, get
+from verify.properties.runner import Runner
+from verify.properties.verdict import PropertyVerdict
+from verify.spec import CaseSpec
+from verify.strategies import case_specs
+
+
+class PropertyFailure(AssertionError):
+    """A case failed; the message is one line per failing verdict (property, output, tier,
+    measured vs allowed, spec JSON)."""
+
+    def __init__(self, verdicts: list[PropertyVerdict]) -> None:
+        self.verdicts = verdicts
+        super().__init__("\n".join(v.line() for v in verdicts))
+
+
+def check_case(
+    spec: CaseSpec,
+    *,
+    properties: Iterable[str] | None = None,
+    runner: Runner | None = None,
+    backend: str | None = None,
+) -> list[PropertyVerdict]:
+    """Verdicts of ``properties`` (default: all) on ``spec``; ``backend`` overrides the spec's.
+
+    Properties that do not apply to the spec add no verdict. TP > 1 specs need a runner with a
+    pool; without one, properties needing it are skipped (megatron) or raise `NeedsPool`.
+    """
+    if backend is not None:
+        spec = spec.with_(backend=backend)
+    runner = runner or Runner()
+    names = list(PROPERTIES) if properties is None else list(properties)
+    verdicts: list[PropertyVerdict] = []
+    for name in names:
+        verdicts.extend(get(name).check(spec, runner))
+    return verdicts
+
+
+def worst(verdicts: list[PropertyVerdict]) -> float:
+    """The largest measured/allowed ratio (0 for none), capped so Hypothesis can target it."""
+    return min(max((v.ratio for v in verdicts), default=0.0), 1e30)
+
+
+@dataclass
+class SearchResult:
+    """What one Hypothesis search found: examples run, the first failing example's index, the
+    shrunk failure (verdicts of the minimal spec) and the worst passing ratio per output."""
+
+    property: str
+    examples: int = 0
+    first_failure_at: int | None = None
+    failure: list[PropertyVerdict] = field(default_factory=list)
+    worst_ratio: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    known: int = 0  # verdicts of known, reported failure classes (`verify.properties.known`)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failure
+
+    @property
+    def shrunk_spec(self) -> CaseSpec | None:
+        return CaseSpec.from_json(self.failure[0].spec) if self.failure else None
+
+
+def run_property(
+    name: str | Iterable[str],
+    *,
+    strategy: st.SearchStrategy[CaseSpec] | None = None,
+    profile: str = "ci",
+    runner: Runner | None = None,
+    max_examples: int | None = None,
+    seed: int | None = None,
+    on_example: Callable[[CaseSpec, list[PropertyVerdict]], None] | None = None,
+) -> SearchResult:
+    """Search ``strategy`` (default `case_specs()` at the runner's TP degrees) for a spec that
+    fails property ``name`` (or any of several names), under a settings profile of
+    `verify.profiles`. ``seed`` randomizes a derandomized profile (fresh examples per seed).
+    Never raises on a property failure: the result carries the shrunk failing verdicts.
+    """
+    names = [name] if isinstance(name, str) else list(name)
+    for n in names:
+        get(n)
+    runner = runner or Runner()
+    strategy = strategy or case_specs(tp_sizes=runner.tp_sizes)
+    result = SearchResult(",".join(names))
+    base = profile_settings(profile, max_examples=max_examples, seed=seed)
+
+    def body(spec: CaseSpec) -> None:
+        result.examples += 1
+        verdicts = check_case(spec, properties=names, runner=runner)
+        for v in verdicts:
+            key = f"{v.property}:{v.output}"
+            if not v.failed:
+                result.worst_ratio[key] = max(result.worst_ratio.get(key, 0.0), v.ratio)
+        target(worst(verdicts), label="measured/allowed")
+        if on_example is not None:
+            on_example(spec, verdicts)
+        result.known += sum(1 for v in verdicts if v.known)
+        failed = [v for v in verdicts if v.failed]
+        if failed:
+            if result.first_failure_at is None:
+                result.first_failure_at = result.examples
+            raise PropertyFailure(failed)
+
+    search = settings(base)(given(strategy)(body))
+    if seed is not None:
+        from hypothesis import seed as hypothesis_seed
+
+        search = hypothesis_seed(seed)(search)
+    began = time.perf_counter()
+    try:
+        search()
+    except PropertyFailure as failure:
+        result.failure = failure.verdicts
+    result.seconds = time.perf_counter() - began
+    return result

@@ -1,0 +1,236 @@
+"""Planted bugs ("mutants") for the engine's self-test: each a real bug class, applied at run time.
+
+`applied(name)` patches lce for the duration of a ``with`` block (in the driver at TP = 1, in each
+worker at TP > 1: the pool job applies it from the payload). Most mutants wrap the backend's stages
+(`MutantStages`), so they work on both backends; the rest patch one function of lce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+import lce
+import lce.api
+import lce.autograd
+import lce.backends.torch_chunked as torch_chunked
+from lce.backends.base import ShardStats
+
+PAD_LANES = 16  # padded-lanes mutant: shards padded to a multiple of this many vocab lanes
+WRAP_LIMIT = 1 << 12  # int32-wrap mutant: offsets row * V_local wrap at 2^12 instead of 2^31
+BUGGY_CHUNK = 2  # bf16-accumulation mutant: tokens per chunk
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str  # the real bug class, one line
+    patch: Callable[[], contextlib.AbstractContextManager]
+
+
+class MutantStages:
+    """Wraps a StageBackend; subclasses bend its statistics or gradients like a real bug would."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def forward_stats(self, hidden, weight, targets, vocab_start, temperature) -> ShardStats:
+        stats = self.inner.forward_stats(hidden, weight, targets, vocab_start, temperature)
+        return self.bend_stats(stats, weight.shape[0], temperature)
+
+    def bend_stats(self, stats: ShardStats, vocab_local: int, temperature: float) -> ShardStats:
+        return stats
+
+    def backward_grads(self, hidden, weight, targets, vocab_start, temperature, *rest):
+        return self.inner.backward_grads(hidden, weight, targets, vocab_start, temperature, *rest)
+
+
+def _recentre(stats: ShardStats, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sumexp and centred sumexp_z of ``stats`` re-centred on ``new_max`` in their own dtype
+    (so lanes underflow exactly as a kernel computing ``exp(z - new_max)`` would)."""
+    shift = stats.max - new_max
+    scale = torch.exp(shift)
+    return stats.sumexp * scale, scale * (stats.sumexp_z + shift * stats.sumexp)
+
+
+class MaxStartsAtZero(MutantStages):
+    def bend_stats(self, stats, vocab_local, temperature):
+        new_max = stats.max.clamp_min(0.0)
+        return ShardStats(new_max, *_recentre(stats, new_max), stats.target_logit)
+
+
+class PaddedLanesZero(MutantStages):
+    def bend_stats(self, stats, vocab_local, temperature):
+        pad = -vocab_local % PAD_LANES
+        if pad == 0:
+            return stats
+        new_max = stats.max.clamp_min(0.0)  # pad lanes hold logit 0 instead of -inf
+        sumexp, sumexp_z = _recentre(stats, new_max)
+        lane = torch.exp(-new_max)
+        return ShardStats(
+            new_max, sumexp + pad * lane, sumexp_z + pad * lane * -new_max, stats.target_logit
+        )
+
+
+class EntropyWithoutTemperature(MutantStages):
+    def bend_stats(self, stats, vocab_local, temperature):
+        # sum exp(z - m) (z - m) taken over raw logits: every centred logit is T times too big.
+        return ShardStats(stats.max, stats.sumexp, stats.sumexp_z * temperature, stats.target_logit)
+
+
+def _rows(fn):
+    """Backward mutants: call ``fn(grad_logprob, grad_entropy, targets, vocab_start, vocab_local)``
+    to bend the upstream gradients before the real backward."""
+
+    class Bent(MutantStages):
+        def backward_grads(self, hidden, weight, targets, vocab_start, temperature, lse, e, *rest):
+            g_lp, g_ent, need_h, need_w = rest
+            g_lp, g_ent = fn(g_lp, g_ent, targets, vocab_start, weight.shape[0])
+            return self.inner.backward_grads(
+                hidden,
+                weight,
+                targets,
+                vocab_start,
+                temperature,
+                lse,
+                e,
+                g_lp,
+                g_ent,
+                need_h,
+                need_w,
+            )
+
+    return Bent
+
+
+def _first_row_only(g_lp, g_ent, targets, vocab_start, vocab_local):
+    return g_lp[:1].expand_as(g_lp), g_ent[:1].expand_as(g_ent)
+
+
+def _zero_foreign_rows(g_lp, g_ent, targets, vocab_start, vocab_local):
+    local = targets - vocab_start
+    owned = (local >= 0) & (local < vocab_local)
+    return torch.where(owned, g_lp, 0.0), torch.where(owned, g_ent, 0.0)
+
+
+class Int32Wrap(MutantStages):
+    """Row offsets ``row * V_local`` wrap at `WRAP_LIMIT`: late rows read an early row's hidden."""
+
+    @staticmethod
+    def _wrapped(hidden: torch.Tensor, vocab_local: int) -> torch.Tensor:
+        rows = torch.arange(hidden.shape[0]) * max(vocab_local, 1) % WRAP_LIMIT
+        return hidden[rows // max(vocab_local, 1)]
+
+    def forward_stats(self, hidden, weight, *args):
+        return super().forward_stats(self._wrapped(hidden, weight.shape[0]), weight, *args)
+
+    def backward_grads(self, hidden, weight, *args):
+        return super().backward_grads(self._wrapped(hidden, weight.shape[0]), weight, *args)
+
+
+class Bf16GradWeight(MutantStages):
+    """grad_weight accumulated chunk by chunk in a bf16 buffer."""
+
+    def backward_grads(self, hidden, weight, targets, vocab_start, temperature, *rest):
+        lse, e, g_lp, g_ent, need_h, need_w = rest
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.bfloat16) if need_w else None
+        for start in range(0, hidden.shape[0], BUGGY_CHUNK):
+            r = slice(start, start + BUGGY_CHUNK)
+            gh, gw = self.inner.backward_grads(
+                hidden[r], weight, targets[r], vocab_start, temperature,
+                lse[r], e[r], g_lp[r], g_ent[r], need_h, need_w,
+            )  # fmt: skip
+            if gh is not None:
+                grad_hidden = grad_hidden.to(gh.dtype)
+                grad_hidden[r] = gh
+            if gw is not None:
+                grad_weight += gw.to(torch.bfloat16)
+        return grad_hidden, None if grad_weight is None else grad_weight.float()
+
+
+def _wrap_stages(cls) -> Callable[[], contextlib.AbstractContextManager]:
+    original = lce.api.get_stages
+    return lambda: mock.patch.object(lce.api, "get_stages", lambda *a, **k: cls(original(*a, **k)))
+
+
+def _off_by_one(targets, vocab_start, vocab_local):
+    local = targets - vocab_start
+    owned = (local >= 0) & (local <= vocab_local)  # the bug: <= claims the next shard's first id
+    return local.clamp(0, max(vocab_local - 1, 0)), owned
+
+
+def _mean_over_all_rows(hidden, weight, targets, *, reduction="mean", **kwargs):
+    loss = _ORIGINAL_LCE(
+        hidden, weight, targets, reduction="sum" if reduction == "mean" else reduction, **kwargs
+    )
+    return loss / targets.numel() if reduction == "mean" else loss
+
+
+def _ignored_not_zeroed(hidden, weight, targets, options):
+    clamped = torch.where(targets == options.ignore_index, 0, targets)  # ignore_index read as id 0
+    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, clamped, options)
+
+
+def _cast_in_place(hidden, weight, targets, options):
+    if hidden.dtype != weight.dtype:
+        with torch.no_grad():
+            hidden.copy_(hidden.to(weight.dtype))  # the matmul cast, done on the caller's tensor
+    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, targets, options)
+
+
+_ORIGINAL_LCE = lce.api.linear_cross_entropy
+_ORIGINAL_TOKEN_OUTPUTS = lce.api._token_outputs
+
+
+@contextlib.contextmanager
+def _patch_lce_loss() -> Iterator[None]:
+    with mock.patch.object(lce, "linear_cross_entropy", _mean_over_all_rows):
+        yield
+
+
+MUTANTS: dict[str, Mutant] = {
+    m.name: m
+    for m in (
+        Mutant("padded_lanes_zero", "padded vocab lanes of a tile read as logit 0, not -inf",
+               _wrap_stages(PaddedLanesZero)),
+        Mutant("max_starts_at_zero", "running max initialised to 0 instead of -inf",
+               _wrap_stages(MaxStartsAtZero)),
+        Mutant("mean_over_all_rows", "reduction='mean' divides by all rows, ignored ones too",
+               _patch_lce_loss),
+        Mutant("grad_output_row0", "only grad_output[0] applied to every row",
+               _wrap_stages(_rows(_first_row_only))),
+        Mutant("grad_hidden_not_reduced", "grad_hidden not summed over TP ranks",
+               lambda: mock.patch.object(lce.autograd, "reduce_grad_hidden", lambda g, group: g)),
+        Mutant("foreign_target_zeroes_row", "a target on another rank zeroes that row's gradient",
+               _wrap_stages(_rows(_zero_foreign_rows))),
+        Mutant("entropy_without_temperature", "entropy's sum p*z over logits not divided by T",
+               _wrap_stages(EntropyWithoutTemperature)),
+        Mutant("grad_weight_bf16_accumulation", "grad_weight accumulated across chunks in bf16",
+               _wrap_stages(Bf16GradWeight)),
+        Mutant("shard_boundary_off_by_one", "shard ownership test `<= V_local` (off by one)",
+               lambda: mock.patch.object(torch_chunked, "_local_targets", _off_by_one)),
+        Mutant("ignored_rows_not_zeroed", "ignore_index rows computed as target 0, not zeroed",
+               lambda: mock.patch.object(lce.api, "_token_outputs", _ignored_not_zeroed)),
+        Mutant("int32_offset_wrap", "row * V offsets wrap (int32 overflow, simulated at 2^12)",
+               _wrap_stages(Int32Wrap)),
+        Mutant("hidden_cast_not_undone", "hidden's cast to weight's dtype done in place",
+               lambda: mock.patch.object(lce.api, "_token_outputs", _cast_in_place)),
+    )
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def applied(name: str | None) -> Iterator[None]:
+    """Run the block with mutant ``name`` planted (``None``: nothing planted)."""
+    if name is None:
+        yield
+        return
+    if name not in MUTANTS:
+        raise ValueError(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}")
+    with MUTANTS[name].patch():
+        yield

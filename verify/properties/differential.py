@@ -1,0 +1,73 @@
+"""Differential property: every output and gradient vs the float64 reference R, with the baseline B
+computed on the same inputs in the same run, plus the contract's exact clauses (dtypes, ignored rows
+exactly zero, inputs untouched, TP ranks agreeing)."""
+
+from __future__ import annotations
+
+import torch
+
+from verify.build import IGNORE_INDEX
+from verify.properties.case import TOLERANCE_OUTPUT, KernelRun, expected
+from verify.properties.runner import Runner
+from verify.properties.verdict import PropertyVerdict, exact_check, flag, tolerance_check
+from verify.spec import DTYPES, CaseSpec
+from verify.tolerances import load
+
+PER_TOKEN = ("logprobs", "entropy", "loss", "grad_hidden", "loss_grad_hidden")
+
+
+def differential(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """Tiers 1-2 of tolerances.yaml for each output the run produced."""
+    run = runner.run(spec)
+    if run.status != "ok":
+        return [
+            flag("differential", spec, "status", False, f"lce refused a valid case: {run.error}")
+        ]
+    exp = expected(spec)
+    tols = load()
+    return [
+        tolerance_check(
+            "differential",
+            spec,
+            name,
+            value,
+            exp.ref[name],
+            exp.base[name],
+            tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name]),
+        )
+        for name, value in run.outputs.items()
+    ]
+
+
+def contract(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """Exact clauses: output dtypes, ignored rows exactly 0, inputs untouched, ranks agree."""
+    run = runner.run(spec)
+    if run.status != "ok":
+        return [flag("contract", spec, "status", False, f"lce refused a valid case: {run.error}")]
+    verdicts = [_dtypes(spec, run)]
+    verdicts.append(flag("contract", spec, "inputs", run.inputs_unchanged, "inputs unmodified"))
+    if spec.tp > 1:
+        verdicts.append(flag("contract", spec, "tp_ranks", run.ranks_agree, "ranks bit-equal"))
+    ignored = expected(spec).problem.targets == IGNORE_INDEX
+    if bool(ignored.any()):
+        rel = load().exact["ignored"]
+        for name, value in run.outputs.items():
+            if name in PER_TOKEN and value.dim() >= 1:
+                rows = value[ignored]
+                verdicts.append(
+                    exact_check(
+                        "contract", spec, f"{name}[ignored]", rows, torch.zeros_like(rows), rel
+                    )
+                )
+    return verdicts
+
+
+def _dtypes(spec: CaseSpec, run: KernelRun) -> PropertyVerdict:
+    # fp32 outputs; the torch backend keeps fp64 math (and outputs) for fp64 inputs.
+    out = "torch.float64" if spec.dtype_key == "fp64" else "torch.float32"
+    wanted = {"logprobs": out, "entropy": out, "loss": out}
+    for prefix in ("grad_", "loss_grad_"):
+        wanted[prefix + "hidden"] = str(DTYPES[spec.hidden_dtype])
+        wanted[prefix + "weight"] = str(DTYPES[spec.weight_dtype])
+    wrong = {k: v for k, v in run.dtypes.items() if k in wanted and wanted[k] != v}
+    return flag("contract", spec, "dtypes", not wrong, f"wrong dtypes {wrong}" if wrong else "ok")

@@ -1,0 +1,257 @@
+"""Metamorphic properties: two runs of related cases whose outputs must agree (DESIGN.md list).
+
+Each check takes ``(spec, runner)`` and returns verdicts; a check that does not apply to a spec
+returns none. Agreement between two low-precision runs is held to the same tolerance as one run vs
+R (`pair_check`); relations that hold exactly in floating point use the exact tier.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from verify.build import TIE_SCALE, build, draw
+from verify.properties.case import TOLERANCE_OUTPUT, KernelRun, expected
+from verify.properties.runner import Runner
+from verify.properties.verdict import (
+    PropertyVerdict,
+    exact_check,
+    flag,
+    pair_check,
+    tolerance_check,
+)
+from verify.spec import DTYPES, LINEARITY_A, CaseSpec
+from verify.tolerances import load
+
+GRADS = ("grad_hidden", "grad_weight", "loss_grad_hidden", "loss_grad_weight")
+
+
+def _runs(prop: str, spec: CaseSpec, runner: Runner, other: CaseSpec):
+    """Both runs, or a failing verdict when either was refused."""
+    a, b = runner.run(spec), runner.run(other)
+    for run, s in ((a, spec), (b, other)):
+        if run.status != "ok":
+            return None, [flag(prop, s, "status", False, f"lce refused a valid case: {run.error}")]
+    return (a, b), []
+
+
+def _agree(
+    prop: str, spec: CaseSpec, a: KernelRun, b: KernelRun, names=None, transform=None
+) -> list[PropertyVerdict]:
+    """``a`` vs ``b`` (after ``transform`` of b's outputs) under the dtype's tolerance, with the
+    baseline's error on ``spec`` as the scale; fp64 cases use the exact invariance bound."""
+    exp = expected(spec)
+    tols = load()
+    out = []
+    for name in names or a.outputs:
+        if name not in a.outputs or name not in b.outputs:
+            continue
+        other = b.outputs[name] if transform is None else transform(name, b.outputs[name])
+        if spec.dtype_key == "fp64":
+            rel = tols.exact["invariance_fp64"]
+            out.append(exact_check(prop, spec, name, a.outputs[name], other, rel))
+            continue
+        tol = tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name])
+        base_error = exp.base[name] - exp.ref[name]
+        out.append(pair_check(prop, spec, name, a.outputs[name], other, base_error, tol))
+    return out
+
+
+def tp_invariance(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """TP = k agrees with TP = 1 as closely as TP = 1 agrees with R."""
+    if spec.tp == 1:
+        return []
+    runs, bad = _runs("tp_invariance", spec, runner, spec.with_(tp=1))
+    return bad or _agree("tp_invariance", spec, *runs)
+
+
+def chunk_invariance(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """Torch backend: chunk size 1 agrees with the spec's chunk size."""
+    if spec.backend != "torch" or spec.num_tokens < 2:
+        return []
+    other = spec.with_(chunk_size=1 if spec.chunk_size != 1 else None)
+    runs, bad = _runs("chunk_invariance", spec, runner, other)
+    return bad or _agree("chunk_invariance", spec, *runs)
+
+
+def vocab_permutation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """Permuting weight rows and remapping targets permutes grad_weight and changes nothing else."""
+    if spec.vocab < 2:
+        return []
+    other = spec.with_(transform="vocab_permute")
+    runs, bad = _runs("vocab_permutation", spec, runner, other)
+    if bad:
+        return bad
+    permutation = draw(spec).permutation
+
+    def unpermute(name: str, value: torch.Tensor) -> torch.Tensor:
+        if not name.endswith("grad_weight"):
+            return value
+        back = torch.empty_like(value)
+        back[permutation] = value  # row i of the permuted run is row permutation[i] originally
+        return back
+
+    return _agree("vocab_permutation", spec, *runs, transform=unpermute)
+
+
+def shift_invariance(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """Outputs under a common logit offset match R of the same case without the offset.
+
+    grad_hidden's column 0 (the constant feature carrying the offset) is ``offset * sum_j dz_j``:
+    zero in exact math, offset-times-rounding in any float implementation, so it is left out.
+    """
+    if spec.regime not in ("offset", "negative"):
+        return []
+    run = runner.run(spec)
+    if run.status != "ok":
+        return [flag("shift_invariance", spec, "status", False, run.error)]
+    ref, base = expected(spec.with_(transform="unshift")).ref, expected(spec).base
+    tols = load()
+    out = []
+    for name, value in run.outputs.items():
+        k, r, b = value, ref[name], base[name]
+        if name.endswith("grad_hidden"):
+            k, r, b = k[:, 1:], r[:, 1:], b[:, 1:]
+        tol = tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name])
+        out.append(tolerance_check("shift_invariance", spec, name, k, r, b, tol))
+    return out
+
+
+def entropy_target_independence(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """Entropy does not depend on the targets: other targets (same ignore mask), same entropy."""
+    runs, bad = _runs("entropy_targets", spec, runner, spec.with_(transform="retarget"))
+    if bad:
+        return bad
+    a, b = runs
+    rel = load().exact["invariance_fp64"]
+    return [
+        exact_check(
+            "entropy_targets", spec, "entropy", a.outputs["entropy"], b.outputs["entropy"], rel
+        )
+    ]
+
+
+def upstream_linearity(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """``bwd(A * g1 + g2) = A * bwd(g1) + bwd(g2)`` for every gradient (A = LINEARITY_A)."""
+    if spec.grads == "none":
+        return []
+    specs = [spec.with_(transform=t) for t in ("upstream_a", "upstream_b", "upstream_mix")]
+    runs = [runner.run(s) for s in specs]
+    for run, s in zip(runs, specs, strict=True):
+        if run.status != "ok":
+            return [flag("upstream_linearity", s, "status", False, run.error)]
+    exps = [expected(s) for s in specs]
+    tols = load()
+    out = []
+    for name in GRADS:
+        if name not in runs[0].outputs:
+            continue
+        combined = LINEARITY_A * runs[0].outputs[name].double() + runs[1].outputs[name].double()
+        errors = [(e.base[name] - e.ref[name]).abs() for e in exps]
+        base_error = abs(LINEARITY_A) * errors[0] + errors[1] + errors[2]
+        tol = tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name])
+        mixed = runs[2].outputs[name]
+        out.append(pair_check("upstream_linearity", spec, name, mixed, combined, base_error, tol))
+    return out
+
+
+def ignored_rows_irrelevant(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """Replacing the hidden rows of ignored tokens changes no output and no gradient (exact)."""
+    if spec.ignore == "none" or spec.num_tokens == 0:
+        return []
+    runs, bad = _runs("ignored_rows", spec, runner, spec.with_(transform="perturb_ignored"))
+    if bad:
+        return bad
+    a, b = runs
+    rel = load().exact["invariance_fp64"]
+    return [
+        exact_check("ignored_rows", spec, name, a.outputs[name], b.outputs[name], rel)
+        for name in a.outputs
+    ]
+
+
+def tied_untied(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """A tied weight's gradient = head gradient + TIE_SCALE * embedding-scattered grad_hidden.
+
+    Allowed: 8 ulps of weight's dtype, normwise: autograd rounds each use's gradient to weight's
+    dtype (the embedding backward casts grad_hidden; index_add accumulates repeated ids) before
+    adding them, while the expectation adds the two unrounded parts in float64.
+    """
+    if not spec.tied or spec.grads != "both":
+        return []
+    runs, bad = _runs("tied_untied", spec, runner, spec.with_(transform="untie"))
+    if bad:
+        return bad
+    tied, untied = runs
+    ids = build(spec).embed_ids
+    out = []
+    eps = torch.finfo(DTYPES[spec.weight_dtype]).eps
+    for prefix in ("grad_", "loss_grad_"):
+        head = untied.outputs[prefix + "weight"].double()
+        embed = torch.zeros_like(head).index_add_(
+            0, ids, untied.outputs[prefix + "hidden"].double()
+        )
+        out.append(
+            exact_check(
+                "tied_untied",
+                spec,
+                prefix + "weight",
+                tied.outputs[prefix + "weight"],
+                head + TIE_SCALE * embed,
+                8 * eps,
+            )
+        )
+    return out
+
+
+def temperature_equivariance(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """Temperature T (a power of two) equals hidden / T at temperature 1, bit for bit up to the
+    exact ``grad_hidden * T`` scaling (power-of-two scalings are exact in floating point)."""
+    mantissa, _ = math.frexp(spec.temperature)
+    if spec.temperature == 1.0 or mantissa != 0.5 or spec.tied:
+        return []
+    runs, bad = _runs("temperature", spec, runner, spec.with_(transform="fold_temperature"))
+    if bad:
+        return bad
+    a, b = runs
+
+    def rescale(name: str, value: torch.Tensor) -> torch.Tensor:
+        return value / spec.temperature if name.endswith("grad_hidden") else value
+
+    if spec.dtype_key == "fp16":
+        # fp16 d_logits hit subnormals, where scaling by 2^k is not exact: the dtype's tolerance.
+        return _agree("temperature", spec, a, b, transform=rescale)
+    rel = load().exact["invariance_fp64"]
+    return [
+        exact_check("temperature", spec, name, a.outputs[name], rescale(name, b.outputs[name]), rel)
+        for name in a.outputs
+    ]
+
+
+def reduction_consistency(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """The loss equals the reduction of ``-logprobs`` (mean over non-ignored rows).
+
+    Allowed: ``(N + 1) * 2^-24`` relative: an fp32 sum of N same-signed terms and one division.
+    """
+    run = runner.run(spec)
+    if run.status != "ok":
+        return []
+    logprobs = run.outputs["logprobs"].double()
+    valid = expected(spec).problem.valid
+    want = {"none": -logprobs, "sum": -logprobs.sum()}.get(spec.reduction)
+    if want is None:
+        want = -logprobs.sum() / valid.sum()
+    rel = 0.0 if spec.reduction == "none" else (spec.num_tokens + 1) * 2.0**-24
+    return [exact_check("reduction", spec, "loss", run.outputs["loss"], want, rel)]
+
+
+def determinism(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """Two runs of one spec give bit-identical outputs (both backends claim determinism)."""
+    a, b = runner.run(spec), runner.run(spec, fresh=True)
+    if a.status != b.status:
+        return [flag("determinism", spec, "status", False, f"{a.status} then {b.status}")]
+    return [
+        exact_check("determinism", spec, name, a.outputs[name], b.outputs[name], 0.0)
+        for name in a.outputs
+    ]

@@ -1,0 +1,122 @@
+"""Peer oracles: lce must be no worse than 2x an installed production peer (the peer plays B).
+
+`torch_peer`: ``torch.nn.functional.linear_cross_entropy`` on the same (cast) inputs, in the driver.
+`megatron_peer`: megatron-core's ``vocab_parallel_cross_entropy`` on materialized logits shards,
+run on the pool's TP group (real collectives), equal shards only (megatron's own limit).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from verify.build import IGNORE_INDEX, build, effective_temperature, vocab_range
+from verify.properties.case import TOLERANCE_OUTPUT, expected
+from verify.properties.runner import Runner
+from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
+from verify.reference import loss_upstream_grad
+from verify.spec import CaseSpec
+from verify.tolerances import load
+
+MEGATRON_JOB = "verify.properties.peers:megatron_job"
+
+
+def _against_peer(
+    prop: str, spec: CaseSpec, runner: Runner, peer: dict[str, torch.Tensor]
+) -> list[PropertyVerdict]:
+    run = runner.run(spec)
+    if run.status != "ok":
+        return [flag(prop, spec, "status", False, f"lce refused a valid case: {run.error}")]
+    ref, tols = expected(spec).ref, load()
+    return [
+        tolerance_check(
+            prop,
+            spec,
+            name,
+            run.outputs[name],
+            ref[name],
+            value,
+            tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name]),
+        )
+        for name, value in peer.items()
+        if name in run.outputs
+    ]
+
+
+def torch_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """lce's loss and its gradients vs R, with torch's linear_cross_entropy as the baseline."""
+    if not hasattr(F, "linear_cross_entropy") or spec.temperature != 1.0 or spec.tied:
+        return []
+    if spec.fault != "none" or spec.transform != "none":
+        return []
+    problem = build(spec)
+    hidden = problem.hidden.to(problem.weight.dtype).requires_grad_()
+    weight = problem.weight.clone().requires_grad_()
+    loss = F.linear_cross_entropy(
+        hidden, weight, problem.targets, reduction=spec.reduction, ignore_index=IGNORE_INDEX
+    )
+    peer = {"loss": loss.detach().reshape(-1) if spec.reduction == "none" else loss.detach()}
+    if spec.grads != "none" and spec.num_tokens:
+        grads = torch.autograd.grad(loss, (hidden, weight), problem.grad_loss)
+        peer["loss_grad_hidden"], peer["loss_grad_weight"] = grads
+    return _against_peer("torch_peer", spec, runner, peer)
+
+
+def megatron_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """lce's log-probs and loss gradients vs R, megatron-core as the baseline (TP on the pool)."""
+    if runner.pool is None or spec.tp not in runner.tp_sizes or spec.vocab % spec.tp:
+        return []
+    if spec.tied or spec.fault != "none" or spec.transform != "none" or spec.num_tokens == 0:
+        return []
+    results = runner.pool.run(MEGATRON_JOB, {"spec": spec.to_json()}, tp=spec.tp)
+    peer = {"logprobs": results[0]["logprobs"]}
+    if spec.grads != "none":
+        peer["loss_grad_hidden"] = results[0]["loss_grad_hidden"]
+        peer["loss_grad_weight"] = torch.cat([r["loss_grad_weight"] for r in results])
+    return _against_peer("megatron_peer", spec, runner, peer)
+
+
+def megatron_job(payload: dict[str, Any], ctx: Any) -> dict[str, torch.Tensor]:
+    """On each TP rank: materialized logits of this rank's shard through megatron-core."""
+    from megatron.core.tensor_parallel import cross_entropy
+
+    spec = CaseSpec.from_json(payload["spec"])
+    problem = build(spec)
+    start, stop = vocab_range(spec, ctx.tp_rank)
+    hidden = problem.hidden.clone().requires_grad_(spec.grads in ("both", "hidden"))
+    weight = problem.weight[start:stop].clone().requires_grad_(spec.grads in ("both", "weight"))
+    valid = problem.targets != IGNORE_INDEX
+    targets = torch.where(valid, problem.targets, torch.zeros_like(problem.targets))
+    group = {
+        "get_tensor_model_parallel_group": lambda: ctx.tp_group,
+        "get_tensor_model_parallel_rank": lambda: ctx.tp_rank,
+        "get_tensor_model_parallel_world_size": lambda: ctx.tp_size,
+    }
+    with mock.patch.multiple(cross_entropy, **group), torch.enable_grad():
+        logits = (hidden.to(weight.dtype) @ weight.T).float() / effective_temperature(spec)
+        token_loss = cross_entropy.vocab_parallel_cross_entropy(logits, targets)
+        out = {"logprobs": torch.where(valid, -token_loss, 0.0).detach()}
+        leaves = [t for t in (hidden, weight) if t.requires_grad]
+        if leaves:
+            upstream = loss_upstream_grad(valid, spec.reduction, problem.grad_loss)
+            upstream = torch.where(valid, -upstream, 0.0)
+            grads = dict(
+                zip(("hidden", "weight"), _grads(token_loss, hidden, weight, upstream), strict=True)
+            )
+            if grads["hidden"] is not None:
+                partial = grads["hidden"].float()
+                dist.all_reduce(partial, group=ctx.tp_group)
+                out["loss_grad_hidden"] = partial.to(hidden.dtype)
+            if grads["weight"] is not None:
+                out["loss_grad_weight"] = grads["weight"]
+    return out
+
+
+def _grads(loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, upstream: torch.Tensor):
+    leaves = [t for t in (hidden, weight) if t.requires_grad]
+    grads = iter(torch.autograd.grad(loss, leaves, upstream))
+    return [next(grads) if t.requires_grad else None for t in (hidden, weight)]

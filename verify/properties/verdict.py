@@ -1,0 +1,135 @@
+"""`PropertyVerdict`: one property's judgement of one output of one case, printable in one line.
+
+Wraps `verify.compare.Verdict` (tiers ratio / envelope / nonfinite) and adds the exact-tier and
+status checks, the property's name and the spec, so a failure says what, where, by how much, and
+how to replay it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from verify.compare import Verdict, compare
+from verify.properties import known
+from verify.spec import CaseSpec
+from verify.tolerances import Tolerance
+
+
+@dataclass(frozen=True)
+class PropertyVerdict:
+    """``ratio`` = measured / allowed (<= 1 passes; inf when nothing was allowed)."""
+
+    property: str
+    output: str
+    tier: str  # ratio | envelope | nonfinite | exact | status
+    passed: bool
+    measured: float
+    allowed: float
+    ratio: float
+    detail: str
+    spec: str  # CaseSpec JSON
+    # Non-empty: a failure of a class the lead has been told about (see `verify.properties.known`):
+    # reported and counted, but not a new failure of the search.
+    known: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """A failure that is not a known, reported class."""
+        return not self.passed and not self.known
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["spec"] = json.loads(self.spec)
+        return data
+
+    def line(self) -> str:
+        """The one-line failure message: property, output, tier, measured vs allowed, spec JSON."""
+        state = "passed" if self.passed else "FAILED"
+        return (
+            f"{self.property} {state} on {self.output} [{self.tier}]: measured {self.measured:.4g}"
+            f" vs allowed {self.allowed:.4g} ({self.detail}) spec={self.spec}"
+        )
+
+
+def from_compare(prop: str, spec: CaseSpec, verdict: Verdict) -> PropertyVerdict:
+    return PropertyVerdict(
+        prop, verdict.output, verdict.tier, verdict.passed, verdict.measured,
+        verdict.allowed, verdict.ratio, verdict.detail, spec.to_json(),
+    )  # fmt: skip
+
+
+def tolerance_check(
+    prop: str,
+    spec: CaseSpec,
+    output: str,
+    kernel: torch.Tensor,
+    ref: torch.Tensor,
+    base: torch.Tensor | None,
+    tol: Tolerance,
+) -> PropertyVerdict:
+    """Tiers 1-2 of tolerances.yaml: ``kernel`` vs float64 ``ref``; ``base`` is B's value."""
+    verdict = from_compare(prop, spec, compare(output, kernel, ref, base, tol))
+    if verdict.passed or verdict.tier != "ratio":
+        return verdict
+    envelope_ok = compare(output, kernel, ref, None, tol).passed
+    return replace(verdict, known=known.ratio_tier_noise(verdict, envelope_ok))
+
+
+def pair_check(
+    prop: str,
+    spec: CaseSpec,
+    output: str,
+    kernel: torch.Tensor,
+    other: torch.Tensor,
+    base_error: torch.Tensor,
+    tol: Tolerance,
+) -> PropertyVerdict:
+    """Two kernel runs that must agree as closely as one run agrees with R (DESIGN's TP rule):
+    ``|kernel - other|`` is held to the tolerance tiers with ``base_error = B - R`` as the scale."""
+    other64 = other.detach().to(torch.float64)
+    return tolerance_check(
+        prop, spec, output, kernel, other64, other64 + base_error.to(torch.float64), tol
+    )
+
+
+def exact_check(
+    prop: str,
+    spec: CaseSpec,
+    output: str,
+    kernel: torch.Tensor,
+    expected: torch.Tensor,
+    rel: float = 0.0,
+) -> PropertyVerdict:
+    """Normwise ``||kernel - expected|| <= rel * ||expected||`` (``rel = 0``: bit-equal values),
+    with equal NaN/inf patterns; for the exact tier (ignored rows, invariances in fp64)."""
+    k = kernel.detach().to(torch.float64).reshape(-1)
+    e = expected.detach().to(torch.float64).reshape(-1)
+    if k.shape != e.shape:
+        return flag(prop, spec, output, False, f"shape {tuple(k.shape)} != {tuple(e.shape)}")
+    if bool((torch.isnan(k) != torch.isnan(e)).any()) or bool((k.isinf() != e.isinf()).any()):
+        return PropertyVerdict(
+            prop, output, "nonfinite", False, math.inf, 0.0, math.inf,
+            "NaN/inf pattern differs", spec.to_json(),
+        )  # fmt: skip
+    finite = torch.isfinite(e)
+    k, e = k[finite], e[finite]
+    measured = torch.linalg.vector_norm(k - e).item() if k.numel() else 0.0
+    allowed = rel * torch.linalg.vector_norm(e).item() if k.numel() else 0.0
+    ratio = 0.0 if measured == 0.0 else (math.inf if allowed == 0.0 else measured / allowed)
+    detail = f"||K-E|| {measured:.3g} <= {rel:g} * ||E||"
+    return PropertyVerdict(
+        prop, output, "exact", ratio <= 1.0, measured, allowed, ratio, detail, spec.to_json()
+    )
+
+
+def flag(prop: str, spec: CaseSpec, output: str, ok: bool, detail: str) -> PropertyVerdict:
+    """A yes/no contract clause (dtype, status, inputs untouched): measured 0 or 1, allowed 0."""
+    measured = 0.0 if ok else 1.0
+    return PropertyVerdict(
+        prop, output, "status" if "status" in output else "exact", ok, measured, 0.0,
+        0.0 if ok else math.inf, detail, spec.to_json(),
+    )  # fmt: skip

@@ -1,0 +1,199 @@
+"""`CaseSpec`: the small, frozen, JSON-serializable description of one generated case.
+
+Every tensor of a case is a function of its spec alone (see `verify.build`), so a spec saved as one
+JSON line replays the same numbers at any TP degree and on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
+# (hidden, weight) pairs with a tolerance entry: equal dtypes, and the post-norm fp32 x bf16 case.
+DTYPE_PAIRS = (
+    ("fp32", "fp32"),
+    ("bf16", "bf16"),
+    ("fp16", "fp16"),
+    ("fp32", "bf16"),
+    ("fp64", "fp64"),
+)
+REDUCTIONS = ("mean", "sum", "none")
+IGNORE_PATTERNS = ("none", "first", "random", "chunk", "all")
+# random: uniform ids; edges: ids at 0, V-1 and every TP=2/4 shard boundary +-1 (first and last
+# lanes of a shard, i.e. its last partial tile); high: all ids in the top quarter, so at TP >= 2
+# every row's target lives on another rank for all but the last rank; repeated: one id everywhere.
+TARGET_PATTERNS = ("random", "edges", "high", "repeated")
+# normal: logits ~ N(0, scale^2); peaked: target logit = row max + 10; negative: every logit
+# <= -100 - |offset|; offset: a common constant added to all logits (through a constant feature);
+# spread: a row spread of ~scale*8 logits, so exp underflows for most lanes.
+REGIMES = ("normal", "peaked", "negative", "offset", "spread")
+LAYOUTS = ("contiguous", "transposed", "sliced")
+UPSTREAMS = ("ones", "scalar", "random", "zero_row0", "strided", "expanded", "logprob_only")
+GRADS = ("both", "hidden", "weight", "none")
+BACKENDS = ("torch", "triton")
+# Invalid inputs for the status-agreement property; "none" is a valid case.
+FAULTS = (
+    "none",
+    "target_ge_vocab",
+    "target_negative",
+    "temperature_zero",
+    "temperature_nan",
+    "hidden_size_mismatch",
+    "targets_float",
+)
+# Metamorphic transforms applied by `verify.build` after the base problem is drawn.
+TRANSFORMS = (
+    "none",
+    "vocab_permute",  # weight rows permuted, targets remapped
+    "unshift",  # the same problem without its common offset
+    "retarget",  # other targets (same ignore mask); entropy must not change
+    "perturb_ignored",  # ignored rows' hidden replaced by other values
+    "fold_temperature",  # hidden / temperature with temperature 1 (power-of-two temperatures)
+    "untie",  # tied case rebuilt with a separate embedding copy
+    "upstream_a",  # first upstream draw alone (upstream linearity)
+    "upstream_b",  # second upstream draw alone
+    "upstream_mix",  # LINEARITY_A * upstream_a + upstream_b
+)
+LINEARITY_A = -0.75
+
+
+class SpecError(ValueError):
+    """A spec field is out of its domain; the message names the field and the allowed values."""
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """One case. ``batch`` = 0 gives 2-D ``[tokens, H]`` inputs, ``batch`` >= 1 gives 3-D
+    ``[batch, tokens, H]``. ``tp`` is the TP degree the case runs at; shards split the vocabulary
+    like ``numpy.array_split`` (uneven when ``vocab % tp``). ``chunk_size`` is the torch backend's
+    tokens per chunk (None: its default). ``seed`` seeds the one generator all tensors come from.
+    """
+
+    tokens: int = 4
+    hidden_size: int = 8
+    vocab: int = 16
+    batch: int = 0
+    tp: int = 1
+    hidden_dtype: str = "fp32"
+    weight_dtype: str = "fp32"
+    reduction: str = "mean"
+    ignore: str = "none"
+    target: str = "random"
+    regime: str = "normal"
+    scale: float = 1.0
+    offset: float = 0.0
+    temperature: float = 1.0
+    tied: bool = False
+    layout: str = "contiguous"
+    upstream: str = "random"
+    grads: str = "both"
+    chunk_size: int | None = None
+    backend: str = "torch"
+    seed: int = 0
+    fault: str = "none"
+    transform: str = "none"
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        for name in ("tokens", "batch", "seed"):
+            if getattr(self, name) < 0:
+                raise SpecError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("hidden_size", "vocab", "tp"):
+            if getattr(self, name) < 1:
+                raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size < 2 and self.regime in ("offset", "negative"):
+            raise SpecError("regime offset/negative needs hidden_size >= 2 (a constant feature)")
+        if self.vocab < self.tp:
+            raise SpecError(f"vocab ({self.vocab}) must be >= tp ({self.tp}): one id per rank")
+        if (self.hidden_dtype, self.weight_dtype) not in DTYPE_PAIRS:
+            raise SpecError(
+                f"(hidden_dtype, weight_dtype) must be one of {DTYPE_PAIRS}, "
+                f"got {(self.hidden_dtype, self.weight_dtype)}"
+            )
+        if self.tied and self.tp != 1:
+            raise SpecError("tied=True needs tp=1 (a vocab-parallel embedding is not modelled)")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise SpecError(f"chunk_size must be None or >= 1, got {self.chunk_size}")
+        if not (math.isfinite(self.scale) and self.scale >= 0):
+            raise SpecError(f"scale must be finite and >= 0, got {self.scale}")
+        if not math.isfinite(self.offset):
+            raise SpecError(f"offset must be finite, got {self.offset}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise SpecError(f"temperature must be finite and > 0, got {self.temperature}")
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the flattened problem: ``max(batch, 1) * tokens``."""
+        return max(self.batch, 1) * self.tokens
+
+    @property
+    def dtype_key(self) -> str:
+        """The tolerances.yaml key: ``fp32``, ``bf16``, ..., ``fp32_bf16``."""
+        if self.hidden_dtype == self.weight_dtype:
+            return self.hidden_dtype
+        return f"{self.hidden_dtype}_{self.weight_dtype}"
+
+    def target_shape(self) -> tuple[int, ...]:
+        return (self.batch, self.tokens) if self.batch else (self.tokens,)
+
+    def with_(self, **changes: Any) -> CaseSpec:
+        """A copy with ``changes`` (validated)."""
+        return replace(self, **changes)
+
+    def to_json(self) -> str:
+        """One JSON line (keys sorted) that `from_json` turns back into an equal spec."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> CaseSpec:
+        """Parse `to_json` output (or its dict); unknown keys are an error naming them."""
+        data = json.loads(text) if isinstance(text, str) else dict(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"unknown CaseSpec field(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def shard_bounds(vocab: int, tp: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each rank's vocab rows, sized like ``numpy.array_split``."""
+    base, extra = divmod(vocab, tp)
+    bounds, start = [], 0
+    for rank in range(tp):
+        stop = start + base + (1 if rank < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+_CHOICES = {
+    "reduction": REDUCTIONS,
+    "ignore": IGNORE_PATTERNS,
+    "target": TARGET_PATTERNS,
+    "regime": REGIMES,
+    "layout": LAYOUTS,
+    "upstream": UPSTREAMS,
+    "grads": GRADS,
+    "backend": BACKENDS,
+    "fault": FAULTS,
+    "transform": TRANSFORMS,
+    "hidden_dtype": tuple(DTYPES),
+    "weight_dtype": tuple(DTYPES),
+}
+
+
+def _check_choices(spec: CaseSpec) -> None:
+    for name, allowed in _CHOICES.items():
+        value = getattr(spec, name)
+        if value not in allowed:
+            raise SpecError(f"{name} must be one of {allowed}, got {value!r}")

@@ -1,0 +1,133 @@
+"""Hypothesis strategies for case specs: small, composable, named after what they produce.
+
+Simplest values come first in every strategy, so a failure shrinks to a small readable spec.
+`case_specs()` composes them into valid cases; `invalid_specs()` into cases lce must refuse.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from verify.spec import (
+    DTYPE_PAIRS,
+    FAULTS,
+    GRADS,
+    IGNORE_PATTERNS,
+    LAYOUTS,
+    REDUCTIONS,
+    TARGET_PATTERNS,
+    UPSTREAMS,
+    CaseSpec,
+)
+
+# Largest |logit| each dtype key is generated with. The envelope tier of tolerances.yaml is
+# relative to ||R|| (log-prob sized), while rounding a logit costs eps * |logit|: beyond these
+# bounds a correct kernel (and the stock baseline) fails the envelope (see docs/bench/properties.md
+# for the measured numbers). fp32_bf16/bf16: 2^-9 * 16 = 0.03 ~ rtol; fp16: 2^-12 * 16 ~ 4e-3.
+LOGIT_BOUND = {"fp64": 1e4, "fp32": 130.0, "bf16": 16.0, "fp32_bf16": 16.0, "fp16": 16.0}
+
+
+def token_counts(max_tokens: int = 24) -> st.SearchStrategy[int]:
+    """Tokens per sequence: 0 and 1 are the edge cases, then a few to a couple of chunks."""
+    return st.integers(0, max_tokens)
+
+
+def hidden_sizes() -> st.SearchStrategy[int]:
+    """H: small, not a multiple of 16 (5, 33), a tile multiple (16, 64)."""
+    return st.sampled_from([8, 2, 5, 16, 33, 64])
+
+
+def vocab_sizes(min_vocab: int = 1) -> st.SearchStrategy[int]:
+    """V: tiny, primes and 2^k+1 (shards and tiles that do not divide), a few tiles."""
+    odd = st.sampled_from([2, 3, 7, 17, 31, 64, 129, 257, 300])
+    return st.one_of(st.integers(min_vocab, 16), odd.filter(lambda v: v >= min_vocab))
+
+
+def batch_sizes() -> st.SearchStrategy[int]:
+    """0 for 2-D ``[T, H]`` inputs, else the B of 3-D ``[B, T, H]``."""
+    return st.sampled_from([0, 2, 1])
+
+
+def dtype_pairs(pairs=DTYPE_PAIRS) -> st.SearchStrategy[tuple[str, str]]:
+    return st.sampled_from(pairs)
+
+
+def temperatures() -> st.SearchStrategy[float]:
+    """1 first; powers of two (exact temperature equivariance) and others."""
+    return st.sampled_from([1.0, 0.5, 2.0, 0.7, 1.3, 0.25])
+
+
+def chunk_sizes() -> st.SearchStrategy[int | None]:
+    """The torch backend's tokens per chunk: default (one chunk here) or small (many chunks)."""
+    return st.one_of(st.none(), st.integers(1, 8))
+
+
+def seeds() -> st.SearchStrategy[int]:
+    return st.integers(0, 2**16)
+
+
+@st.composite
+def logit_regimes(draw: st.DrawFn, dtype_key: str) -> tuple[str, float, float]:
+    """``(regime, scale, offset)`` within `LOGIT_BOUND` of the dtype (normal first)."""
+    bound = LOGIT_BOUND[dtype_key]
+    regimes = ["normal", "peaked"]
+    if bound >= 100:
+        regimes += ["negative", "offset", "spread"]
+    regime = draw(st.sampled_from(regimes))
+    scale = draw(st.sampled_from([1.0, 0.3, 3.0, 10.0]).filter(lambda s: 4 * s + 10 <= bound))
+    offset = 0.0
+    if regime == "offset":
+        offset = draw(
+            st.sampled_from([10.0, -10.0, 100.0, -1e3, 1e4]).filter(lambda c: abs(c) <= bound - 40)
+        )
+    elif regime == "negative":
+        offset = draw(st.sampled_from([0.0, 10.0]).filter(lambda c: 100 + abs(c) + 50 <= bound))
+    return regime, scale, offset
+
+
+@st.composite
+def case_specs(
+    draw: st.DrawFn,
+    *,
+    backends: tuple[str, ...] = ("torch",),
+    tp_sizes: tuple[int, ...] = (1,),
+    pairs: tuple[tuple[str, str], ...] = DTYPE_PAIRS,
+    max_tokens: int = 24,
+) -> CaseSpec:
+    """A valid case reaching DESIGN's input classes, at one of ``tp_sizes`` and ``backends``."""
+    tp = draw(st.sampled_from(tp_sizes))
+    hidden_dtype, weight_dtype = draw(dtype_pairs(pairs))
+    key = hidden_dtype if hidden_dtype == weight_dtype else f"{hidden_dtype}_{weight_dtype}"
+    regime, scale, offset = draw(logit_regimes(key))
+    hidden_size = draw(hidden_sizes().filter(lambda h: h >= 2 or regime == "normal"))
+    return CaseSpec(
+        tokens=draw(token_counts(max_tokens)),
+        hidden_size=hidden_size,
+        vocab=draw(vocab_sizes(min_vocab=tp)),
+        batch=draw(batch_sizes()),
+        tp=tp,
+        hidden_dtype=hidden_dtype,
+        weight_dtype=weight_dtype,
+        reduction=draw(st.sampled_from(REDUCTIONS)),
+        ignore=draw(st.sampled_from(IGNORE_PATTERNS)),
+        target=draw(st.sampled_from(TARGET_PATTERNS)),
+        regime=regime,
+        scale=scale,
+        offset=offset,
+        temperature=draw(temperatures()),
+        tied=tp == 1 and draw(st.booleans()),
+        layout=draw(st.sampled_from(LAYOUTS)),
+        upstream=draw(st.sampled_from(("random", *(u for u in UPSTREAMS if u != "random")))),
+        grads=draw(st.sampled_from(GRADS)),
+        chunk_size=draw(chunk_sizes()),
+        backend=draw(st.sampled_from(backends)),
+        seed=draw(seeds()),
+    )
+
+
+@st.composite
+def invalid_specs(draw: st.DrawFn, *, tp_sizes: tuple[int, ...] = (1,)) -> CaseSpec:
+    """A small case with one fault (bad target id, temperature, shape or dtype)."""
+    spec = draw(case_specs(tp_sizes=tp_sizes, pairs=(("fp32", "fp32"), ("bf16", "bf16"))))
+    fault = draw(st.sampled_from([f for f in FAULTS if f != "none"]))
+    return spec.with_(fault=fault, tokens=max(spec.tokens, 1), ignore="none", tied=False)

@@ -93,9 +93,11 @@ def test_which_output_layers_fall_back(layer_kwargs: dict, reason: str | None) -
     assert found is None if reason is None else reason in found
 
 
-def test_a_plain_linear_falls_back() -> None:
+def test_a_layer_that_is_not_column_parallel_is_refused() -> None:
     import torch
 
-    from lce.megatron.head import unsupported_reason
+    from lce.megatron import output_layer_loss
 
-    assert "not a ColumnParallelLinear" in unsupported_reason(torch.nn.Linear(4, 6))
+    hidden, labels = torch.zeros(3, 2, 4), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match="must be megatron-core's ColumnParallelLinear"):
+        output_layer_loss(hidden, torch.nn.Linear(4, 6), labels)

@@ -9,7 +9,7 @@ import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from lce.api import TokenOutputs, token_logprobs
-from lce.megatron.head import resolve_head, tp_group_of, unsupported_reason
+from lce.megatron.head import check_output_layer, resolve_head, tp_group_of, unsupported_reason
 from lce.megatron.stock import stock_logits, stock_token_outputs
 
 
@@ -95,6 +95,7 @@ def _outputs(
             f"hidden must be [S, B, H] and labels [B, S] (megatron's layouts), got hidden "
             f"{tuple(hidden.shape)} and labels {tuple(labels.shape)}"
         )
+    check_output_layer(output_layer)
     targets = labels.transpose(0, 1)
     reason = unsupported_reason(output_layer)
     if reason is not None:

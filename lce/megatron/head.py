@@ -71,11 +71,19 @@ def _used_weight(output_layer: torch.nn.Module, weight: torch.Tensor | None) -> 
     return weight
 
 
+def check_output_layer(output_layer: torch.nn.Module) -> None:
+    """Raise unless ``output_layer`` follows ColumnParallelLinear's contract (GPTModel's head)."""
+    if not all(hasattr(output_layer, a) for a in ("tp_group", "sequence_parallel", "config")):
+        raise TypeError(
+            f"output_layer must be megatron-core's ColumnParallelLinear (GPTModel.output_layer), "
+            f"got {type(output_layer).__name__}; for a plain [V, H] weight call "
+            "lce.token_logprobs directly"
+        )
+
+
 def unsupported_reason(output_layer: torch.nn.Module) -> str | None:
-    """Why the fused path cannot reproduce ``output_layer``'s stock result, or None if it can."""
-    config = getattr(output_layer, "config", None)
-    if not hasattr(output_layer, "tp_group") or not hasattr(output_layer, "sequence_parallel"):
-        return f"output layer type {type(output_layer).__name__} (not a ColumnParallelLinear)"
+    """Why the fused path cannot reproduce a ColumnParallelLinear's stock result, or None."""
+    config = output_layer.config
     if getattr(output_layer, "bias", None) is not None and not output_layer.skip_bias_add:
         return "an output-layer bias added to the logits"
     if getattr(config, "defer_embedding_wgrad_compute", False):

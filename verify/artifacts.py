@@ -1,0 +1,259 @@
+"""Failure artifacts: one JSON file per failing case that replays the same numbers on any machine.
+
+An artifact holds the case spec, the failing verdicts, the versions and device it ran on, the
+tolerance entries it was judged by and a one-line replay command. Files are written atomically
+(temp file + ``os.replace``) under a name derived from their content, so a file is never
+overwritten with other content and the same failure found twice is stored once.
+Format: docs/report-format.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import tempfile
+from dataclasses import asdict, dataclass, is_dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from verify.spec import CaseSpec
+from verify.tolerances import EXACT_FIELDS, FIELDS, OUTPUTS, Tolerances
+from verify.tolerances import load as load_tolerances
+
+SCHEMA = "lce-failure"
+SCHEMA_VERSION = 1
+PACKAGES = ("torch", "triton", "hypothesis", "megatron-core", "numpy")
+REQUIRED = ("schema", "schema_version", "spec", "property", "backend", "tp", "verdicts")
+
+
+class ArtifactError(ValueError):
+    """A file is not a readable failure artifact; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A loaded artifact: the parsed spec plus the raw record (``record`` is the JSON dict)."""
+
+    path: Path
+    spec: CaseSpec
+    record: dict[str, Any]
+
+    @property
+    def property_name(self) -> str:
+        return self.record["property"]
+
+    @property
+    def verdicts(self) -> list[dict[str, Any]]:
+        return self.record["verdicts"]
+
+
+def versions() -> dict[str, str | None]:
+    """python and the installed versions of the packages a result depends on (None: absent)."""
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def device_description(device: str = "cpu") -> str:
+    """``cpu (x86_64, Linux)`` or the CUDA device's name; what a reader needs to reproduce."""
+    if device.startswith("cuda"):
+        import torch
+
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({platform.machine()}, {platform.system()})"
+
+
+def json_number(value: float) -> float | str:
+    """A float as strict JSON allows: non-finite values become ``"inf"``, ``"-inf"``, ``"nan"``."""
+    value = float(value)
+    return value if math.isfinite(value) else str(value)
+
+
+def parse_number(value: float | str) -> float:
+    """Inverse of `json_number`."""
+    return float(value)
+
+
+def verdict_record(verdict: Any) -> dict[str, Any]:
+    """A verdict object (dataclass or ``to_json()``) as a JSON-safe dict, without its spec."""
+    if hasattr(verdict, "to_json"):
+        data = verdict.to_json()
+        data = json.loads(data) if isinstance(data, str) else dict(data)
+    elif is_dataclass(verdict):
+        data = asdict(verdict)
+    elif isinstance(verdict, dict):
+        data = dict(verdict)
+    else:
+        raise TypeError(f"cannot record a verdict of type {type(verdict).__name__}")
+    data.pop("spec", None)  # the spec is stored once, at the top of the artifact
+    return {key: _json_safe(value) for key, value in data.items()}
+
+
+def is_failure(verdict: dict[str, Any]) -> bool:
+    """A recorded verdict that fails and is not of a known, already reported class."""
+    return not verdict.get("passed", True) and not verdict.get("known")
+
+
+def tolerance_entries(dtype_key: str, outputs: list[str], tolerances: Tolerances) -> dict:
+    """The tolerances.yaml entries verdicts on ``outputs`` at ``dtype_key`` were judged by
+    (``loss_grad_hidden`` and ``grad_hidden[ignored]`` by ``grad_hidden``; unknown names: all)."""
+    judged = {out.split("[")[0].removeprefix("loss_") for out in outputs}
+    known = [out for out in OUTPUTS if out in judged] or list(OUTPUTS)
+    entries = tolerances.entries.get(dtype_key, {})
+    return {
+        "source": Path(tolerances.source).name,
+        "sha256": _file_sha256(tolerances.source),
+        "dtype": dtype_key,
+        "entries": {
+            out: {f: getattr(entries[out], f) for f in FIELDS} for out in known if out in entries
+        },
+        "exact": {f: tolerances.exact[f] for f in EXACT_FIELDS},
+    }
+
+
+def make_record(
+    spec: CaseSpec,
+    prop: str,
+    verdicts: list[Any],
+    *,
+    shrunk: bool,
+    device: str = "cpu",
+    error: str | None = None,
+    mutant: str | None = None,
+    examples: int | None = None,
+    tolerances: Tolerances | None = None,
+) -> dict[str, Any]:
+    """The artifact dict of a failure of property ``prop`` on ``spec`` (backend and TP from spec).
+
+    ``error`` carries an exception's one-line summary when the case raised instead of returning
+    verdicts; ``mutant`` names a planted bug when the failure was found with one active;
+    ``examples`` is how many examples the search ran before this failure.
+    """
+    records = [verdict_record(v) for v in verdicts]
+    outputs = [str(r.get("output")) for r in records]
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "property": prop,
+        "backend": spec.backend,
+        "tp": spec.tp,
+        "dtype": spec.dtype_key,
+        "spec": json.loads(spec.to_json()),
+        "verdicts": records,
+        "error": error,
+        "shrunk": shrunk,
+        "mutant": mutant,
+        "examples": examples,
+        "versions": versions(),
+        "device": device_description(device),
+        "tolerances": tolerance_entries(spec.dtype_key, outputs, tolerances or load_tolerances()),
+    }
+
+
+def content_hash(record: dict[str, Any]) -> str:
+    """sha256 of the record without its volatile fields (creation time, own path, replay line)."""
+    stable = {k: v for k, v in record.items() if k not in ("created", "replay")}
+    text = json.dumps(stable, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write(record: dict[str, Any], failures_dir: Path | str) -> Path:
+    """Write ``record`` into ``failures_dir`` atomically; returns its path.
+
+    The name ``<property>[+n]-<backend>-tp<k>-<hash>.json`` comes from the content hash: an
+    existing file of that name already holds this failure and is left as it is (never overwritten).
+    """
+    directory = Path(failures_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    digest = content_hash(record)
+    props = record["property"].split(",")
+    label = props[0] + (f"+{len(props) - 1}" if len(props) > 1 else "")
+    stem = _slug(f"{label}-{record['backend']}-tp{record['tp']}")
+    path = directory / f"{stem}-{digest[:16]}.json"
+    if path.exists():
+        return path
+    full = dict(record)
+    full["created"] = datetime.now(UTC).isoformat(timespec="seconds")
+    full["replay"] = replay_command(path)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(full, handle, indent=1, sort_keys=True)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)  # same name = same content hash, so a racing writer wrote the same
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def replay_command(path: Path | str) -> str:
+    """The one line that replays ``path`` (relative to the working directory when under it)."""
+    path = Path(path)
+    try:
+        shown = path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        shown = path
+    return f"python -m verify replay {shown}"
+
+
+def load(path: Path | str) -> Artifact:
+    """Read and validate an artifact; raise `ArtifactError` naming the file and what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no such file; pass a failure artifact written by a campaign")
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(record, dict) or record.get("schema") != SCHEMA:
+        raise ArtifactError(f"{path}: not a failure artifact (its 'schema' is not {SCHEMA!r})")
+    missing = [key for key in REQUIRED if key not in record]
+    if missing:
+        raise ArtifactError(f"{path}: failure artifact lacks {missing}")
+    version = record["schema_version"]
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{path}: schema_version {version!r} is newer than this verify ({SCHEMA_VERSION}); "
+            "update the repository"
+        )
+    try:
+        spec = CaseSpec.from_json(record["spec"])
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(f"{path}: invalid spec: {exc}") from exc
+    return Artifact(path, spec, record)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float):
+        return json_number(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    return str(value)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:80]
+
+
+def _file_sha256(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None

@@ -1,0 +1,316 @@
+"""A campaign: a Hypothesis settings profile run over backends x TP degrees within a time budget.
+
+Each backend x TP slice is one search over the properties (TP > 1 through one shared worker pool);
+every example is tallied for the report; a failure is shrunk by Hypothesis, then saved as an
+artifact. A rank that dies or hangs ends its slice with an infrastructure error (its spec saved) and
+the pool is rebuilt for the next slice. The report (JSON, Markdown, PNG) goes to ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypothesis import Phase
+
+from verify import artifacts, report
+from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool
+from verify.distributed.errors import PoolError
+from verify.engine import PropertyFailure, SearchResult, run_property
+from verify.profiles import profile_settings
+from verify.progress import Progress
+from verify.properties.registry import PROPERTIES
+from verify.properties.runner import Runner
+from verify.replay import reference_sha256
+from verify.spec import BACKENDS, CaseSpec
+from verify.strategies import case_specs, invalid_specs
+
+
+@dataclass(frozen=True)
+class CampaignConfig:
+    """What to run. ``max_examples`` overrides the profile's per-slice example count."""
+
+    profile: str = "ci"
+    backends: tuple[str, ...] = ("torch", "triton")
+    tp_sizes: tuple[int, ...] = (1, 2, 4)
+    budget_s: float = 300.0
+    out_dir: Path = Path("results/campaign")
+    failures_dir: Path | None = None  # default: out_dir / "failures"
+    properties: tuple[str, ...] = ()  # empty: every property
+    device: str = "cpu"
+    seed: int | None = None
+    mutant: str | None = None
+    max_examples: int | None = None
+
+    @property
+    def failures_path(self) -> Path:
+        return self.failures_dir or self.out_dir / "failures"
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad option and the fix."""
+        profile_settings(self.profile)  # unknown profile: the profiles module names the choices
+        for backend in self.backends:
+            if backend not in BACKENDS:
+                raise ValueError(f"--backends: unknown backend {backend!r}; choose from {BACKENDS}")
+        for tp in self.tp_sizes:
+            if tp not in (1, 2, 4, 8):
+                raise ValueError(f"--tp: TP degree must be one of 1, 2, 4, 8, got {tp}")
+        if not self.backends or not self.tp_sizes:
+            raise ValueError("--backends and --tp need at least one value each")
+        if not self.budget_s > 0:
+            raise ValueError(f"--budget-s must be > 0 seconds, got {self.budget_s}")
+        for name in self.properties:
+            if name not in PROPERTIES:
+                raise ValueError(f"--properties: unknown {name!r}; known: {', '.join(PROPERTIES)}")
+
+
+@dataclass
+class CampaignResult:
+    passed: bool
+    report: dict[str, Any]
+    paths: dict[str, Path]
+    artifacts: list[Path] = field(default_factory=list)
+
+
+class BudgetExhausted(BaseException):
+    """Raised inside a search to stop it; a BaseException, so Hypothesis does not shrink it."""
+
+
+class InfraFault(BaseException):
+    """A rank died or hung: stop the slice without shrinking (each retry could hang again)."""
+
+    def __init__(self, error: PoolError, spec: CaseSpec) -> None:
+        super().__init__(str(error))
+        self.error, self.spec = error, spec
+
+
+class _GuardedRunner(Runner):
+    """Turns a dead or hung rank into `InfraFault`; a job that raised stays a normal failure."""
+
+    def run(self, spec: CaseSpec, *, fresh: bool = False):
+        try:
+            return super().run(spec, fresh=fresh)
+        except (WorkerDied, WorkerHung) as error:
+            raise InfraFault(error, spec) from error
+        except WorkerError as error:
+            if not error.pool_intact:
+                raise InfraFault(error, spec) from error
+            raise
+
+
+def search(names: list[str], **options: Any) -> SearchResult:
+    """`run_property`, except that Hypothesis's "found N distinct failures" group (raised when a
+    profile keeps ``report_multiple_bugs`` on) becomes a result holding its first failure."""
+    try:
+        return run_property(names, **options)
+    except ExceptionGroup as group:
+        failures = [e for e in group.exceptions if isinstance(e, PropertyFailure)]
+        if not failures:
+            raise
+        result = SearchResult(",".join(names))
+        result.failure = failures[0].verdicts
+        return result
+
+
+def run_campaign(config: CampaignConfig, progress: Progress | None = None) -> CampaignResult:
+    """Run each backend x TP slice of ``config`` and write the report; a failure does not raise."""
+    config.validate()
+    progress = progress or Progress(config.profile, config.budget_s, stream=sys.stderr)
+    tally, saved = report.Tally(), []
+    began = time.monotonic()
+    deadline = began + config.budget_s
+    slices = [(b, tp) for b in config.backends for tp in config.tp_sizes]
+    pool: WorkerPool | None = None
+    exhausted = False
+    try:
+        for index, (backend, tp) in enumerate(slices):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                exhausted = True
+                tally.slices.append(_slice_row(backend, tp, "skipped (budget)", 0, [], 0.0))
+                continue
+            if tp > 1 and pool is None:
+                pool = WorkerPool(world_size=max(config.tp_sizes), device=config.device)
+            share = remaining / (len(slices) - index)  # time left over flows to later slices
+            progress.start_slice(backend, tp)
+            search = _Slice(config, backend, tp, tally, progress)
+            search.run(pool, time.monotonic() + share, with_status=backend == config.backends[0])
+            exhausted |= search.status == "budget"
+            saved.extend(search.artifacts)
+            tally.slices.append(
+                _slice_row(
+                    backend, tp, search.status, search.examples, search.artifacts, search.seconds
+                )
+            )
+    finally:
+        if pool is not None:
+            pool.close()
+        progress.finish()
+    meta = _meta(config, time.monotonic() - began, exhausted)
+    paths = report.write(tally, meta, config.out_dir)
+    document = report.to_json(tally, meta)
+    return CampaignResult(document["passed"], document, paths, saved)
+
+
+class _Slice:
+    """One Hypothesis search at one backend x TP degree."""
+
+    def __init__(
+        self, config: CampaignConfig, backend: str, tp: int, tally: report.Tally, progress: Progress
+    ) -> None:
+        self.config, self.backend, self.tp = config, backend, tp
+        self.tally, self.progress = tally, progress
+        self.names = list(config.properties or PROPERTIES)
+        self.status, self.examples, self.seconds = "done", 0, 0.0
+        self.artifacts: list[Path] = []
+        self.current: CaseSpec | None = None  # the last drawn spec: after shrinking, the minimal
+        self.failed = False
+        self.deadline = 0.0
+
+    def run(self, pool: WorkerPool | None, deadline: float, with_status: bool) -> None:
+        """The status search (invalid inputs, cheap) first when asked, then the valid cases."""
+        self.deadline = deadline
+        runner = _GuardedRunner(pool if self.tp > 1 else None, self.config.mutant)
+        valid = [n for n in self.names if n != "status"]
+        searches = []
+        if with_status and "status" in self.names:
+            searches.append((["status"], invalid_specs(tp_sizes=(self.tp,))))
+        if valid:
+            searches.append((valid, case_specs(backends=(self.backend,), tp_sizes=(self.tp,))))
+        began = time.monotonic()
+        for names, strategy in searches:
+            self._search(names, strategy.map(self._draw), runner)
+            if self.status != "done":
+                break
+        self.seconds = time.monotonic() - began
+
+    def _search(self, names: list[str], strategy: Any, runner: Runner) -> None:
+        """One Hypothesis search; its shrunk failure (or minimal raising case) is saved."""
+        self.failed, self.current = False, None
+        try:
+            result = search(
+                names,
+                strategy=strategy,
+                profile=self.config.profile,
+                runner=runner,
+                max_examples=self.config.max_examples,
+                seed=self.config.seed,
+                on_example=self._on_example,
+            )
+            if not result.passed:
+                spec = result.shrunk_spec or self.current
+                self._save(spec, names, result.failure, None, result.first_failure_at)
+        except BudgetExhausted:
+            self.status = "budget"
+        except InfraFault as fault:
+            self.status = "infrastructure error"
+            where = f"{self.backend} TP={self.tp}"
+            self.tally.add_error(where, f"{fault.error} while running {fault.spec.to_json()}")
+            error = f"{type(fault.error).__name__}: {fault.error}"
+            self._save(fault.spec, names, [], error, None, shrunk=False)
+        except Exception as exc:  # the case raised; Hypothesis shrank it to `self.current`
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            self._save(self.current, names, [], f"{type(exc).__name__}: {first_line}", None)
+
+    def _draw(self, spec: CaseSpec) -> CaseSpec:
+        self.current = spec
+        return spec
+
+    def _on_example(self, spec: CaseSpec, verdicts: list[Any]) -> None:
+        if not self.failed:  # shrinking re-runs are not new examples
+            self.examples += 1
+            self.tally.add_example(spec.dtype_key, spec.backend, spec.tp, verdicts)
+            self.progress.example()
+        self.failed |= any(v.failed for v in verdicts)
+        if not self.failed and time.monotonic() > self.deadline:
+            raise BudgetExhausted
+
+    def _save(
+        self,
+        spec: CaseSpec | None,
+        names: list[str],
+        verdicts: list[Any],
+        error: str | None,
+        at: int | None,
+        shrunk: bool | None = None,
+    ) -> None:
+        """Save an artifact and tally the failure. ``shrunk`` defaults to the profile's phases."""
+        if spec is None:  # nothing was drawn: the search failed before its first example
+            self.tally.add_error(f"{self.backend} TP={self.tp}", error or "search failed")
+            return
+        if shrunk is None:
+            shrunk = Phase.shrink in profile_settings(self.config.profile).phases
+        failing = [v for v in verdicts if v.failed]
+        props = sorted({v.property for v in failing}) or names
+        record = artifacts.make_record(
+            spec,
+            ",".join(props),
+            failing,
+            shrunk=shrunk,
+            device=self.config.device,
+            error=error,
+            mutant=self.config.mutant,
+            examples=at,
+        )
+        record["reference_sha256"] = _reference_or_none(spec)
+        path = artifacts.write(record, self.config.failures_path)
+        self.artifacts.append(path)
+        worst = max(failing, key=lambda v: report.order(v.ratio), default=None)
+        self.tally.add_failure(
+            {
+                "property": record["property"],
+                "output": worst.output if worst else "error",
+                "backend": spec.backend,
+                "tp": spec.tp,
+                "dtype": spec.dtype_key,
+                "ratio": artifacts.json_number(worst.ratio if worst else float("inf")),
+                "artifact": str(path),
+                "shrunk": record["shrunk"],
+                "line": worst.line() if worst else error,
+            }
+        )
+        self.progress.failure()
+
+
+def _reference_or_none(spec: CaseSpec) -> str | None:
+    try:
+        return reference_sha256(spec)
+    except Exception:  # an invalid-input spec (status property) may have no reference
+        return None
+
+
+def _slice_row(
+    backend: str, tp: int, status: str, examples: int, saved: list[Path], seconds: float
+) -> dict[str, Any]:
+    return {
+        "backend": backend,
+        "tp": tp,
+        "status": status,
+        "examples": examples,
+        "failures": len(saved),
+        "wall_s": round(seconds, 2),
+        "examples_per_s": round(examples / seconds, 3) if seconds > 0 else None,
+    }
+
+
+def _meta(config: CampaignConfig, wall_s: float, exhausted: bool) -> dict[str, Any]:
+    return {
+        "title": f"{config.profile} campaign",
+        "profile": config.profile,
+        "backends": list(config.backends),
+        "tp_sizes": list(config.tp_sizes),
+        "properties": list(config.properties or PROPERTIES),
+        "budget_s": config.budget_s,
+        "budget_exhausted": exhausted,
+        "wall_s": round(wall_s, 2),
+        "seed": config.seed,
+        "mutant": config.mutant,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - wall_s)),
+        "environment": {
+            "versions": artifacts.versions(),
+            "device": artifacts.device_description(config.device),
+        },
+    }

@@ -1,0 +1,314 @@
+"""``python -m verify`` / ``lce-verify``: run a campaign, replay failures, run the regression
+corpus, run the mutation self-test. Exit codes: 0 passed, 1 a check failed, 2 bad usage or input."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(ValueError):
+    """Bad arguments or input files; printed as ``lce-verify: error: ...`` with exit code 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the subcommand; returns the exit code (the console script exits)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    _interpret_triton_on_cpu()
+    _one_bug_per_search()
+    try:
+        return args.handler(args)
+    except UsageError as exc:
+        print(f"lce-verify {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lce-verify",
+        description="The lce verification harness: property campaigns, failure replay, "
+        "the regression corpus and the mutation self-test.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run(sub)
+    _add_replay(sub)
+    _add_corpus(sub)
+    _add_mutants(sub)
+    return parser
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a property campaign and write its report",
+        description="Run a Hypothesis profile over backends x TP degrees within a time budget; "
+        "write report.md, report.json and ratios.png into --out and one artifact per failure.",
+    )
+    p.add_argument("--profile", default="ci", help="settings profile: ci, nightly or dev (ci)")
+    p.add_argument(
+        "--backends",
+        type=_names,
+        default=("torch", "triton"),
+        help="comma-separated backends (torch,triton)",
+    )
+    p.add_argument("--tp", type=_ints, default=(1, 2, 4), help="comma-separated TP degrees (1,2,4)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=300.0,
+        help="wall-clock budget in seconds, shared by the slices (300)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/campaign"),
+        help="report directory (results/campaign)",
+    )
+    p.add_argument(
+        "--failures", type=Path, default=None, help="failure artifact directory (OUT/failures)"
+    )
+    p.add_argument(
+        "--properties", type=_names, default=(), help="comma-separated property names (all)"
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo workers; cuda: NCCL, one process per GPU (cpu)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="Hypothesis seed (the profile's)")
+    p.add_argument(
+        "--max-examples",
+        type=int,
+        default=None,
+        help="examples per backend x TP slice (the profile's)",
+    )
+    p.add_argument("--mutant", default=None, help="plant this bug (self-test; see `mutants`)")
+    p.set_defaults(handler=_cmd_run)
+
+
+def _add_replay(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="re-run saved failure artifacts",
+        description="Re-run each artifact's properties on its spec (twice by default), print the "
+        "verdicts and whether the runs were bit-identical. Exit 0 only if every replay passes.",
+    )
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="failure artifact(s)")
+    _add_replay_options(p)
+    p.add_argument("--times", type=int, default=2, help="runs per artifact (2)")
+    p.add_argument(
+        "--without-mutant", action="store_true", help="replay without the artifact's planted bug"
+    )
+    p.set_defaults(handler=_cmd_replay)
+
+
+def _add_corpus(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "corpus",
+        help="run the regression corpus",
+        description="Replay every saved spec of the corpus on the code as it is (each must pass); "
+        "for entries found with a planted bug, also check the bug is still caught.",
+    )
+    p.add_argument("--dir", type=Path, default=CORPUS_DIR, help="corpus directory (verify/corpus)")
+    _add_replay_options(p)
+    p.set_defaults(handler=_cmd_corpus)
+
+
+def _add_mutants(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "mutants",
+        help="the mutation self-test: which planted bugs the profile kills",
+        description="Plant each known bug in turn, search with the profile, and print a table: "
+        "killed or not, by which property, after how many examples, the shrunk spec.",
+    )
+    p.add_argument("--profile", default="ci", help="settings profile (ci)")
+    p.add_argument("--backend", default="torch", help="backend to plant the bugs in (torch)")
+    p.add_argument("--tp", type=_ints, default=(1, 2, 4), help="TP degrees to draw (1,2,4)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="worker device (cpu)")
+    p.add_argument("--only", type=_names, default=(), help="comma-separated mutant names (all)")
+    p.add_argument(
+        "--save-corpus",
+        type=Path,
+        default=None,
+        help="save each kill's shrunk spec as an artifact here",
+    )
+    p.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
+    p.set_defaults(handler=_cmd_mutants)
+
+
+def _add_replay_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default=None, help="run on this backend instead of the saved one")
+    p.add_argument("--tp", type=int, default=None, help="run at this TP degree instead")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="worker device (cpu)")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from verify.campaign import CampaignConfig, run_campaign
+
+    config = CampaignConfig(
+        profile=args.profile,
+        backends=args.backends,
+        tp_sizes=args.tp,
+        budget_s=args.budget_s,
+        out_dir=args.out,
+        failures_dir=args.failures,
+        properties=args.properties,
+        device=args.device,
+        seed=args.seed,
+        mutant=args.mutant,
+        max_examples=args.max_examples,
+    )
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    result = run_campaign(config)
+    doc = result.report
+    print(
+        f"{doc['title']}: {'PASSED' if result.passed else 'FAILED'} - {doc['examples']} examples"
+        f" in {doc['wall_s']:.0f} s ({doc['examples_per_s']} examples/s), "
+        f"{len(doc['failures'])} failure(s)"
+    )
+    for failure in doc["failures"]:
+        print(f"  {failure['artifact']}: {failure['line']}")
+    print(
+        f"report: {result.paths['markdown']} (JSON {result.paths['json']}, "
+        f"plot {result.paths['png']})"
+    )
+    return EXIT_PASS if result.passed else EXIT_FAIL
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from verify import artifacts
+
+    if args.times < 1:
+        raise UsageError(f"--times must be >= 1, got {args.times}")
+    loaded = _load_all(args.files, artifacts)
+    from verify.replay import KEEP
+
+    mutant = None if args.without_mutant else KEEP
+    return _replay_all(loaded, args, lambda a: [(mutant, True)], args.times, annotate=False)
+
+
+def _cmd_corpus(args: argparse.Namespace) -> int:
+    from verify import artifacts
+
+    if not args.dir.is_dir():
+        raise UsageError(f"--dir {args.dir}: not a directory")
+    files = sorted(args.dir.glob("*.json"))
+    if not files:
+        raise UsageError(f"--dir {args.dir}: holds no *.json artifacts")
+    loaded = _load_all(files, artifacts)
+
+    def plans(artifact):  # the fix must hold; a planted bug must still be caught
+        planted = artifact.record.get("mutant")
+        return [(None, True)] + ([(planted, False)] if planted else [])
+
+    return _replay_all(loaded, args, plans, times=1, annotate=True)
+
+
+def _cmd_mutants(args: argparse.Namespace) -> int:
+    from verify.mutant_table import kill_mutants, table, write_json
+    from verify.mutants import MUTANTS
+
+    names = list(args.only or MUTANTS)
+    unknown = [n for n in names if n not in MUTANTS]
+    if unknown:
+        raise UsageError(f"--only: unknown mutant(s) {unknown}; known: {', '.join(MUTANTS)}")
+    with _pool_for(max(args.tp), args.device) as pool:
+        outcomes = kill_mutants(
+            names,
+            profile=args.profile,
+            backend=args.backend,
+            tp_sizes=args.tp,
+            pool=pool,
+            save_dir=args.save_corpus,
+            device=args.device,
+        )
+    print("\n".join(table(outcomes)))
+    if args.json is not None:
+        write_json(outcomes, args.json)
+    return EXIT_PASS if all(o.killed for o in outcomes) else EXIT_FAIL
+
+
+def _replay_all(loaded, args, plans: Callable, times: int, annotate: bool) -> int:
+    """Replay each artifact under each ``(mutant, must_pass)`` plan; print one block per replay
+    (``annotate``: mark outcomes other than the expected one). 0 when all went as expected."""
+    from verify.replay import replay, summary_lines
+
+    tps = [args.tp or a.spec.tp for a in loaded]
+    ok = True
+    with _pool_for(max(tps), args.device) as pool:
+        for artifact, tp in zip(loaded, tps, strict=True):
+            for mutant, must_pass in plans(artifact):
+                result = replay(
+                    artifact,
+                    backend=args.backend,
+                    tp=args.tp,
+                    pool=pool if tp > 1 else None,
+                    mutant=mutant,
+                    times=times,
+                )
+                good = result.passed == must_pass and result.identical
+                ok &= good
+                for line in summary_lines(result, must_pass if annotate else None):
+                    print(line)
+    return EXIT_PASS if ok else EXIT_FAIL
+
+
+def _pool_for(tp: int, device: str):
+    from contextlib import nullcontext
+
+    from verify.distributed import WorkerPool
+
+    return WorkerPool(world_size=tp, device=device) if tp > 1 else nullcontext(None)
+
+
+def _load_all(files: Sequence[Path], artifacts) -> list:
+    try:
+        return [artifacts.load(path) for path in files]
+    except artifacts.ArtifactError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of names")
+    return names
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in _names(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4, got {text!r}") from None
+
+
+def _one_bug_per_search() -> None:
+    """Shrink and report one failure per search: the profiles inherit this process's default
+    settings, and with several distinct bugs Hypothesis would shrink each and raise a group."""
+    from hypothesis import settings
+
+    settings.register_profile("lce-verify-cli", report_multiple_bugs=False)
+    settings.load_profile("lce-verify-cli")
+
+
+def _interpret_triton_on_cpu() -> None:
+    """Without a GPU the Triton backend runs in its interpreter (set before triton is imported;
+    worker processes inherit it)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,167 @@
+"""Replay a failure artifact: re-run its properties on its spec (optionally at another backend or TP
+degree), several times, and say whether it passes and whether the runs were bit-identical.
+
+Bit-identity is judged on fingerprints (sha256) of every kernel output of every run and of the
+float64 reference; the reference fingerprint does not depend on backend or TP degree, so a replay
+at TP=4 of a TP=1 failure shows the same reference numbers bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verify.artifacts import Artifact, is_failure, verdict_record
+from verify.engine import check_case
+from verify.properties.case import KernelRun, expected
+from verify.properties.runner import Runner
+from verify.spec import CaseSpec
+
+KEEP = object()  # replay's default for ``mutant``: plant the bug the artifact was found with
+
+
+@dataclass(frozen=True)
+class RunDigest:
+    """One replay run: its verdicts (JSON dicts) and the sha256 of every kernel output it made."""
+
+    verdicts: list[dict[str, Any]]
+    kernel_sha256: str
+
+    @property
+    def passed(self) -> bool:
+        return not any(is_failure(v) for v in self.verdicts)
+
+    def numbers(self) -> list[tuple]:
+        """What must be bit-identical between runs: each verdict's measured and allowed."""
+        return [(v["property"], v["output"], v["measured"], v["allowed"]) for v in self.verdicts]
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    artifact: Artifact
+    spec: CaseSpec
+    mutant: str | None
+    runs: list[RunDigest]
+    reference_sha256: str
+
+    @property
+    def passed(self) -> bool:
+        return all(run.passed for run in self.runs)
+
+    @property
+    def identical(self) -> bool:
+        """Every run gave the same kernel outputs and verdict numbers, bit for bit."""
+        first = self.runs[0]
+        return all(
+            r.kernel_sha256 == first.kernel_sha256 and r.numbers() == first.numbers()
+            for r in self.runs[1:]
+        )
+
+    @property
+    def reference_matches_artifact(self) -> bool | None:
+        """The reference equals the one recorded in the artifact (None: none recorded)."""
+        recorded = self.artifact.record.get("reference_sha256")
+        return None if recorded is None else recorded == self.reference_sha256
+
+    @property
+    def same_failure(self) -> bool:
+        """The first run fails on the recorded outputs with the recorded measured values."""
+        recorded = {_key(v): v["measured"] for v in self.artifact.verdicts if is_failure(v)}
+        failing = {_key(v): v["measured"] for v in self.runs[0].verdicts if is_failure(v)}
+        return bool(recorded) and recorded == failing
+
+
+class _RecordingRunner(Runner):
+    """A `Runner` that fingerprints every run it returns, in call order (a fresh one per replay)."""
+
+    def __init__(self, pool: Any | None, mutant: str | None) -> None:
+        super().__init__(pool, mutant)
+        self.digest = hashlib.sha256()
+
+    def run(self, spec: CaseSpec, *, fresh: bool = False) -> KernelRun:
+        result = super().run(spec, fresh=fresh)
+        self.digest.update(spec.to_json().encode())
+        self.digest.update(f"{result.status}|{result.error}".encode())
+        _update_tensors(self.digest, result.outputs)
+        return result
+
+
+def replay(
+    artifact: Artifact,
+    *,
+    backend: str | None = None,
+    tp: int | None = None,
+    pool: Any | None = None,
+    mutant: str | object | None = KEEP,
+    times: int = 2,
+) -> ReplayResult:
+    """Re-run ``artifact``'s properties on its spec ``times`` times (TP > 1 needs ``pool``).
+
+    ``backend``/``tp`` override the spec's; ``mutant`` defaults to the artifact's planted bug
+    (``None`` replays on the code as it is).
+    """
+    if times < 1:
+        raise ValueError(f"times must be >= 1, got {times}")
+    spec = artifact.spec
+    changes = {k: v for k, v in (("backend", backend), ("tp", tp)) if v is not None}
+    spec = spec.with_(**changes) if changes else spec
+    planted = artifact.record.get("mutant") if mutant is KEEP else mutant
+    names = artifact.property_name.split(",")
+    runs = []
+    for _ in range(times):
+        runner = _RecordingRunner(pool, planted)  # type: ignore[arg-type]
+        verdicts = check_case(spec, properties=names, runner=runner)
+        runs.append(RunDigest([verdict_record(v) for v in verdicts], runner.digest.hexdigest()))
+    return ReplayResult(artifact, spec, planted, runs, reference_sha256(spec))  # type: ignore[arg-type]
+
+
+def reference_sha256(spec: CaseSpec) -> str:
+    """sha256 of the float64 reference outputs of ``spec`` (independent of backend and TP)."""
+    digest = hashlib.sha256()
+    _update_tensors(digest, expected(spec).ref)
+    return digest.hexdigest()
+
+
+def _update_tensors(digest: Any, tensors: dict[str, torch.Tensor]) -> None:
+    for name in sorted(tensors):
+        value = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _key(verdict: dict[str, Any]) -> tuple[str, str, str]:
+    return (verdict["property"], verdict["output"], verdict["tier"])
+
+
+def summary_lines(result: ReplayResult, expect_pass: bool | None = None) -> list[str]:
+    """What `replay` prints: the outcome, flakiness, reference fingerprint, failing verdicts;
+    ``expect_pass`` (corpus runs) flags an outcome other than the expected one."""
+    spec, first = result.spec, result.runs[0]
+    outcome = "passed" if result.passed else "FAILED"
+    planted = f", planted bug {result.mutant}" if result.mutant else ""
+    expectation = ""
+    if expect_pass is not None and result.passed != expect_pass:
+        expectation = " (UNEXPECTED: " + ("should pass)" if expect_pass else "bug not caught)")
+    matches = {True: "matches the artifact", False: "DIFFERS from artifact", None: "not recorded"}
+    lines = [
+        f"{result.artifact.path}: {outcome}{expectation} "
+        f"[{result.artifact.property_name} on {spec.backend} TP={spec.tp}{planted}]",
+        f"  runs: {len(result.runs)}, bit-identical: {'yes' if result.identical else 'NO (flaky)'}"
+        f"; kernel sha256 {first.kernel_sha256[:16]}",
+        f"  reference sha256 {result.reference_sha256[:16]} "
+        f"({matches[result.reference_matches_artifact]})",
+    ]
+    if not result.passed and result.artifact.verdicts:
+        lines.append(f"  same failure as recorded: {'yes' if result.same_failure else 'no'}")
+    for verdict in first.verdicts:
+        if not verdict["passed"]:
+            known = f" (known class: {verdict['known']})" if verdict.get("known") else ""
+            measured, allowed = float(verdict["measured"]), float(verdict["allowed"])
+            lines.append(
+                f"  {verdict['property']} {verdict['output']} [{verdict['tier']}]: measured "
+                f"{measured:.6g} vs allowed {allowed:.6g}{known}"
+            )
+    return lines

@@ -1,0 +1,281 @@
+"""The campaign report: a `Tally` of every checked example, written as JSON, Markdown and a PNG.
+
+The JSON (schema in docs/report-format.md) holds examples per property x dtype x backend x TP, the
+worst measured/allowed ratio per output x dtype x backend, and every failure with its artifact;
+the Markdown is the short version a person scans; the PNG shows how close to the line each sits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verify.artifacts import is_failure, json_number, verdict_record
+
+SCHEMA = "lce-campaign-report"
+SCHEMA_VERSION = 1
+SAMPLES_PER_CELL = 400  # ratios kept per output x dtype x backend for the plot (reservoir sample)
+PLOT_FILE = "ratios.png"
+# Outputs judged by measured/allowed against a tolerances.yaml entry; the worst table and the plot
+# show these (the loss_ ones are gradients of the reduced loss).
+RATIO_OUTPUTS = (
+    "logprobs",
+    "entropy",
+    "loss",
+    "grad_hidden",
+    "grad_weight",
+    "loss_grad_hidden",
+    "loss_grad_weight",
+)
+
+
+@dataclass
+class Cell:
+    """Worst verdict and a sample of ratios of one output x dtype x backend."""
+
+    worst: dict[str, Any] | None = None
+    ratios: list[float] = field(default_factory=list)
+    seen: int = 0
+
+
+@dataclass
+class Tally:
+    """Everything the report needs, accumulated one example at a time (driver process only)."""
+
+    # (property, dtype, backend, tp) -> [examples, failing examples, examples with known failures]
+    counts: dict[tuple[str, str, str, int], list[int]] = field(
+        default_factory=lambda: defaultdict(lambda: [0, 0, 0])
+    )
+    cells: dict[tuple[str, str, str], Cell] = field(default_factory=lambda: defaultdict(Cell))
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    slices: list[dict[str, Any]] = field(default_factory=list)
+    examples: int = 0
+    known_examples: int = 0  # examples whose only failures are of known, reported classes
+    _rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def add_example(self, dtype: str, backend: str, tp: int, verdicts: list[Any]) -> None:
+        """Record one checked example: its verdicts (objects or dicts) from every property."""
+        self.examples += 1
+        records = [verdict_record(v) for v in verdicts]
+        known = any(r.get("known") for r in records) and not any(is_failure(r) for r in records)
+        self.known_examples += int(known)
+        by_property: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for record in records:
+            by_property[str(record.get("property"))].append(record)
+        for prop, records in by_property.items():
+            counts = self.counts[(prop, dtype, backend, tp)]
+            counts[0] += 1
+            counts[1] += int(any(is_failure(r) for r in records))
+            counts[2] += int(any(r.get("known") for r in records))
+            for record in records:
+                self._add_ratio(prop, dtype, backend, tp, record)
+
+    def add_failure(self, failure: dict[str, Any]) -> None:
+        """A saved failure: property, backend, tp, dtype, output, ratio, artifact, shrunk, line."""
+        self.failures.append(failure)
+
+    def add_error(self, where: str, message: str) -> None:
+        """An infrastructure error (a rank died or hung, a slice could not run)."""
+        self.errors.append({"where": where, "message": message})
+
+    def _add_ratio(self, prop: str, dtype: str, backend: str, tp: int, record: dict) -> None:
+        output = str(record.get("output"))
+        if output not in RATIO_OUTPUTS:  # yes/no clauses (dtypes, ignored rows) have no ratio scale
+            return
+        ratio = float(record.get("ratio", 0.0))
+        cell = self.cells[(output, dtype, backend)]
+        cell.seen += 1
+        if len(cell.ratios) < SAMPLES_PER_CELL:
+            cell.ratios.append(ratio)
+        else:
+            slot = self._rng.randrange(cell.seen)
+            if slot < SAMPLES_PER_CELL:
+                cell.ratios[slot] = ratio
+        worst = cell.worst
+        if worst is None or order(ratio) > order(float(worst["ratio"])):
+            cell.worst = {
+                "ratio": json_number(ratio),
+                "measured": record.get("measured"),
+                "allowed": record.get("allowed"),
+                "tier": record.get("tier"),
+                "property": prop,
+                "tp": tp,
+                "detail": record.get("detail"),
+            }
+
+
+def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
+    """The report document: ``meta`` (profile, budget, timing, environment) plus the tally."""
+    counts = [
+        {"property": p, "dtype": d, "backend": b, "tp": t, "examples": n, "failures": f, "known": k}
+        for (p, d, b, t), (n, f, k) in sorted(tally.counts.items())
+    ]
+    worst = [
+        {"output": o, "dtype": d, "backend": b, "checks": c.seen, **(c.worst or {})}
+        for (o, d, b), c in sorted(tally.cells.items())
+    ]
+    examples = tally.examples
+    wall = float(meta.get("wall_s") or 0.0)
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        **meta,
+        "examples": examples,
+        "examples_per_s": round(examples / wall, 3) if wall > 0 else None,
+        "known_examples": tally.known_examples,
+        "passed": not tally.failures and not tally.errors,
+        "slices": tally.slices,
+        "counts": counts,
+        "worst": worst,
+        "failures": tally.failures,
+        "errors": tally.errors,
+    }
+
+
+def write(tally: Tally, meta: dict[str, Any], out_dir: Path | str) -> dict[str, Path]:
+    """Write ``report.json``, ``report.md`` and ``ratios.png`` into ``out_dir``; returns paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    document = to_json(tally, meta)
+    paths = {"json": out / "report.json", "markdown": out / "report.md", "png": out / PLOT_FILE}
+    from verify.ratio_plot import plot_ratios
+
+    plot_ratios(
+        {key: cell.ratios for key, cell in tally.cells.items()}, paths["png"], document["title"]
+    )
+    _atomic_text(paths["json"], json.dumps(document, indent=1, sort_keys=True) + "\n")
+    _atomic_text(paths["markdown"], markdown(document))
+    return paths
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The readable report: verdict, timing, examples, worst ratios, failures, errors."""
+    verdict = "PASSED" if doc["passed"] else "FAILED"
+    rate = doc["examples_per_s"]
+    env = doc.get("environment", {})
+    versions = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items() if v)
+    lines = [
+        f"# {doc['title']}: {verdict}",
+        "",
+        f"- {doc['examples']} examples in {doc['wall_s']:.0f} s ({rate} examples/s), "
+        f"budget {doc['budget_s']:.0f} s{' (exhausted)' if doc.get('budget_exhausted') else ''}",
+        f"- {len(doc['failures'])} failure(s), {len(doc['errors'])} infrastructure error(s); "
+        f"{doc['known_examples']} example(s) with only known, reported failure classes",
+        f"- device: {env.get('device', '?')}; {versions}",
+        "",
+        "## Examples (failing examples) per property and backend/TP",
+        "",
+        *_count_table(doc["counts"], "property"),
+        "",
+        "## Examples per dtype and backend/TP",
+        "",
+        *_count_table(doc["counts"], "dtype"),
+        "",
+        "## Worst measured/allowed per output and dtype (all backends; <= 1 passes)",
+        "",
+        *_worst_table(doc["worst"]),
+        "",
+        f"![measured/allowed ratios]({PLOT_FILE})",
+        "",
+        *_failure_lines(doc["failures"]),
+        *_error_lines(doc["errors"]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _count_table(counts: list[dict[str, Any]], row_key: str) -> list[str]:
+    columns = sorted({(c["backend"], c["tp"]) for c in counts})
+    rows = sorted({c[row_key] for c in counts})
+    if not rows:
+        return ["(no examples ran)"]
+    cells: dict[tuple[str, tuple[str, int]], list[int]] = defaultdict(lambda: [0, 0])
+    for c in counts:
+        cell = cells[(c[row_key], (c["backend"], c["tp"]))]
+        cell[0] += c["examples"]
+        cell[1] += c["failures"]
+    header = [row_key, *(f"{b} TP={t}" for b, t in columns)]
+    lines = [_row(header), _row(["---"] * len(header))]
+    for row in rows:
+        values = []
+        for col in columns:
+            n, f = cells.get((row, col), (0, 0))
+            values.append(f"{n} (**{f}**)" if f else (str(n) if n else "-"))
+        lines.append(_row([row, *values]))
+    return lines
+
+
+def _worst_table(worst: list[dict[str, Any]]) -> list[str]:
+    dtypes = sorted({w["dtype"] for w in worst})
+    outputs = sorted({w["output"] for w in worst})
+    if not outputs:
+        return ["(no verdicts)"]
+    best: dict[tuple[str, str], float] = {}
+    for w in worst:
+        key = (w["output"], w["dtype"])
+        best[key] = max(best.get(key, -1.0), order(float(w.get("ratio", 0.0))))
+    lines = [_row(["output", *dtypes]), _row(["---"] * (len(dtypes) + 1))]
+    for out in outputs:
+        values = [_ratio_text(best[(out, d)]) if (out, d) in best else "-" for d in dtypes]
+        lines.append(_row([out, *values]))
+    return lines
+
+
+def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
+    if not failures:
+        return ["## Failures", "", "None.", ""]
+    lines = [
+        "## Failures",
+        "",
+        _row(["property", "output", "backend", "TP", "dtype", "ratio", "shrunk", "artifact"]),
+        _row(["---"] * 8),
+    ]
+    for f in failures:
+        lines.append(
+            _row(
+                [
+                    f["property"],
+                    f.get("output", "?"),
+                    f["backend"],
+                    str(f["tp"]),
+                    f["dtype"],
+                    _ratio_text(float(f.get("ratio", math.inf))),
+                    "yes" if f.get("shrunk") else "no",
+                    f"`{f['artifact']}`",
+                ]
+            )
+        )
+    return [*lines, ""]
+
+
+def _error_lines(errors: list[dict[str, Any]]) -> list[str]:
+    if not errors:
+        return []
+    return ["## Infrastructure errors", "", *(f"- {e['where']}: {e['message']}" for e in errors)]
+
+
+def _ratio_text(ratio: float) -> str:
+    if math.isnan(ratio) or ratio > 1.0:
+        return f"**{ratio:.3g}**"
+    return "0" if ratio == 0 else f"{ratio:.3g}"
+
+
+def order(ratio: float) -> float:
+    """NaN sorts as the worst ratio (a NaN measure is a failure, never a pass)."""
+    return math.inf if math.isnan(ratio) else ratio
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -364,6 +364,30 @@ def case_fallback_bias(ctx: Ctx, prob: Problem) -> None:
     ])  # fmt: skip
 
 
+def case_frozen_head(ctx: Ctx, prob: Problem) -> None:
+    """A frozen LM head (e.g. adapters-only RL): the stock layer takes its frozen-weight path."""
+    from lce.megatron import FusedOutputOptions, output_layer_loss
+
+    sp = ctx.tp > 1
+    layer = _column_layer(ctx, torch.float32, sp, False, ctx.local_rows(prob.weight))
+    layer.weight.requires_grad_(False)
+    hidden = ctx.local_rows(prob.hidden) if sp else prob.hidden
+    labels, g = prob.labels.to(ctx.device), prob.g_loss.to(ctx.device)
+    h_k, h_b = _leaf(hidden, torch.float32, ctx), _leaf(hidden, torch.float32, ctx)
+    loss_k = output_layer_loss(h_k, layer, labels, options=FusedOutputOptions(backend=ctx.backend))
+    (loss_k * g).sum().backward()
+    loss_b = _stock_loss(h_b, layer, labels)
+    (loss_b * g).sum().backward()
+    ref = _token_reference(prob, torch.float32, torch.float32, 1.0, loss=True)
+    r_gh = ref.grad_hidden.view(S, B, H)
+    name = f"frozen-head/fp32/sp={int(sp)}"
+    _verdicts(ctx, name, "fp32", [
+        ("loss", loss_k, (-ref.logprobs).view(S, B).T, loss_b),
+        ("grad_hidden", h_k.grad, ctx.local_rows(r_gh) if sp else r_gh, h_b.grad),
+    ])  # fmt: skip
+    ctx.check(name, layer.weight.grad is None, "a frozen head gets no gradient")
+
+
 def run_cases(ctx: Ctx) -> None:
     fp32, bf16 = torch.float32, torch.bfloat16
     plain, with_ignored = make_problem(SEED, ignore=False), make_problem(SEED + 1, ignore=True)
@@ -371,6 +395,7 @@ def run_cases(ctx: Ctx) -> None:
         for sp in (False, True) if ctx.tp > 1 else (False,):  # megatron: SP needs TP > 1
             case_loss(ctx, plain, hdtype, wdtype, sp)
             case_logprobs(ctx, with_ignored, hdtype, wdtype, sp)
+    case_frozen_head(ctx, plain)
     case_tied_gpt(ctx, plain)
     case_fallback_bias(ctx, plain)
 

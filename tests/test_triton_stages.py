@@ -126,6 +126,19 @@ def test_forward_peaked_rows_and_large_offsets(dtype):
     assert bool((stats.sumexp >= 1).all())  # the max term contributes exp(0) = 1
 
 
+def test_tf32_option_stays_within_tf32_rounding():
+    hidden, weight, targets = make_case(24, 64, 150, 0, torch.float32, seed=10)
+    stats = TritonStages(small_config(fp32_precision="tf32")).forward_stats(
+        hidden, weight, targets, 0, 1.0
+    )
+    _, ref_lse, _, _ = reference_stats(hidden, weight, targets, 0, 1.0)
+    lse = stats.max.double() + torch.log(stats.sumexp.double())
+    # TF32 rounds both operands to 10 mantissa bits: each product within 2^-10 relative, and lse
+    # is 1-Lipschitz in the logits, so 2^-10 of the largest |h| @ |w| row sum bounds the error.
+    products = hidden.double().abs() @ weight.double().abs().T
+    assert (lse - ref_lse).abs().max().item() <= 2.0**-10 * products.max().item()
+
+
 def reference_grads(hidden, weight, targets, vocab_start, temperature, upstream, round_to=None):
     """float64 (grad_hidden, grad_weight); ``round_to`` rounds d_logits first (the baseline)."""
     z = reference_logits(hidden, weight, temperature)

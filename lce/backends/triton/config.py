@@ -54,7 +54,8 @@ class TritonConfig:
     forward workspace is ``4 * T * ceil(V / (block_v * tiles_per_program))`` fp32).
     ``chunk_bytes``: budget of the backward ``[T, chunk]`` d_logits buffer (weight's dtype).
     ``fp32_precision``: ``tl.dot`` mode for fp32 inputs; ``ieee`` (default) matches an fp32
-    reference, ``tf32`` is faster and ~3e-4 relative. Low-precision inputs ignore it.
+    reference, ``tf32`` is faster and ~3e-4 relative. Low-precision inputs ignore it; the
+    backward's cuBLAS GEMMs follow ``torch.backends.cuda.matmul.allow_tf32`` instead.
     ``use_tma``: load tiles through TMA descriptors where the layout allows (16-byte aligned rows,
     unit last stride); other layouts use pointer loads either way.
     ``grad_weight_fp32``: True returns grad_weight in fp32 (the StageBackend contract); False in

@@ -206,7 +206,7 @@ def _peak(
     """Move hidden rows so the target's logit leads the runner-up by ``margin`` (raw units)."""
     rows = torch.arange(hidden.shape[0])
     w = weight[:, cols]
-    for _ in range(6):  # each step settles one (target, runner-up) pair; others may overtake
+    for _ in range(30):  # each step settles one (target, runner-up) pair; others may overtake
         logits = hidden[:, cols] @ w.T
         target_logit = logits[rows, targets]
         logits[rows, targets] = -torch.inf

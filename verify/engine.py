@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from hypothesis import given, settings, target
+from hypothesis import Phase, given, settings, target
 from hypothesis import strategies as st
 
 from verify.profiles import profile_settings
@@ -88,19 +88,24 @@ def run_property(
     max_examples: int | None = None,
     seed: int | None = None,
     on_example: Callable[[CaseSpec, list[PropertyVerdict]], None] | None = None,
+    shrink: bool = True,
 ) -> SearchResult:
     """Search ``strategy`` (default `case_specs()` at the runner's TP degrees) for a spec that
     fails property ``name`` (or any of several names), under a settings profile of
     `verify.profiles`. ``seed`` randomizes a derandomized profile (fresh examples per seed).
-    Never raises on a property failure: the result carries the shrunk failing verdicts.
+    Never raises on a property failure: the result carries the (shrunk unless ``shrink=False``)
+    failing verdicts.
     """
     names = [name] if isinstance(name, str) else list(name)
     for n in names:
         get(n)
     runner = runner or Runner()
-    strategy = strategy or case_specs(tp_sizes=runner.tp_sizes)
+    if strategy is None:
+        strategy = case_specs(tp_sizes=runner.tp_sizes)
     result = SearchResult(",".join(names))
     base = profile_settings(profile, max_examples=max_examples, seed=seed)
+    if not shrink:
+        base = settings(base, phases=[p for p in base.phases if p != Phase.shrink])
 
     def body(spec: CaseSpec) -> None:
         result.examples += 1

@@ -21,7 +21,7 @@ import lce.backends.torch_chunked as torch_chunked
 from lce.backends.base import ShardStats
 
 PAD_LANES = 16  # padded-lanes mutant: shards padded to a multiple of this many vocab lanes
-WRAP_LIMIT = 1 << 12  # int32-wrap mutant: offsets row * V_local wrap at 2^12 instead of 2^31
+WRAP_LIMIT = 1 << 9  # int32-wrap mutant: offsets row * V_local wrap at 2^9 instead of 2^31
 BUGGY_CHUNK = 2  # bf16-accumulation mutant: tokens per chunk
 
 
@@ -216,7 +216,7 @@ MUTANTS: dict[str, Mutant] = {
                lambda: mock.patch.object(torch_chunked, "_local_targets", _off_by_one)),
         Mutant("ignored_rows_not_zeroed", "ignore_index rows computed as target 0, not zeroed",
                lambda: mock.patch.object(lce.api, "_token_outputs", _ignored_not_zeroed)),
-        Mutant("int32_offset_wrap", "row * V offsets wrap (int32 overflow, simulated at 2^12)",
+        Mutant("int32_offset_wrap", "row * V offsets wrap (int32 overflow, simulated at 2^9)",
                _wrap_stages(Int32Wrap)),
         Mutant("hidden_cast_not_undone", "hidden's cast to weight's dtype done in place",
                lambda: mock.patch.object(lce.api, "_token_outputs", _cast_in_place)),

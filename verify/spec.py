@@ -33,7 +33,8 @@ IGNORE_PATTERNS = ("none", "first", "random", "chunk", "all")
 # lanes of a shard, i.e. its last partial tile); high: all ids in the top quarter, so at TP >= 2
 # every row's target lives on another rank for all but the last rank; repeated: one id everywhere.
 TARGET_PATTERNS = ("random", "edges", "high", "repeated")
-# normal: logits ~ N(0, scale^2); peaked: target logit = row max + 10; negative: every logit
+# normal: logits ~ N(0, scale^2); peaked: target logit = row max + 10 (where the geometry allows:
+# always for H >= V); negative: every logit
 # <= -100 - |offset|; offset: a common constant added to all logits (through a constant feature);
 # spread: a row spread of ~scale*8 logits, so exp underflows for most lanes.
 REGIMES = ("normal", "peaked", "negative", "offset", "spread")

@@ -74,8 +74,9 @@ def megatron_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
         return []
     results = runner.pool.run(MEGATRON_JOB, {"spec": spec.to_json()}, tp=spec.tp)
     peer = {"logprobs": results[0]["logprobs"]}
-    if spec.grads != "none":
+    if "loss_grad_hidden" in results[0]:
         peer["loss_grad_hidden"] = results[0]["loss_grad_hidden"]
+    if "loss_grad_weight" in results[0]:
         peer["loss_grad_weight"] = torch.cat([r["loss_grad_weight"] for r in results])
     return _against_peer("megatron_peer", spec, runner, peer)
 

@@ -1,0 +1,103 @@
+"""The mutation self-test: does the engine kill every planted bug of `verify.mutants`?
+
+`mutation_table()` searches with each mutant planted, records which property killed it after how
+many examples and the shrunk spec, and re-checks that spec without the mutant (a kill only counts
+when the correct implementation passes it). `format_table()` prints it for ``verify mutants``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from hypothesis import strategies as st
+
+from verify.engine import check_case, run_property
+from verify.mutants import MUTANTS
+from verify.properties.runner import Runner
+from verify.spec import DTYPE_PAIRS, CaseSpec
+from verify.strategies import case_specs
+
+# Properties of the self-test: everything the generator's valid specs exercise, minus the peers
+# (slow, and a peer is an oracle for lce's precision, not for these bug classes).
+SELFTEST_PROPERTIES = (
+    "differential", "contract", "tp_invariance", "chunk_invariance", "vocab_permutation",
+    "shift_invariance", "entropy_targets", "upstream_linearity", "ignored_rows", "tied_untied",
+    "temperature", "reduction",
+)  # fmt: skip
+# fp64 is left out while lce's fused scalar-loss path raises on fp64 inputs (reported; see
+# tests/test_properties_findings.py): its status failures would be counted as kills.
+SELFTEST_PAIRS = tuple(p for p in DTYPE_PAIRS if p != ("fp64", "fp64"))
+
+
+def selftest_specs(tp_sizes: tuple[int, ...]) -> st.SearchStrategy[CaseSpec]:
+    """`case_specs` without fp64 and without peaked rows: on both, lce has open findings
+    (tests/test_properties_findings.py) that would count as kills of any mutant."""
+    specs = case_specs(tp_sizes=tp_sizes, pairs=SELFTEST_PAIRS)
+    return specs.filter(lambda spec: spec.regime != "peaked")
+
+
+@dataclass
+class KillRow:
+    mutant: str
+    bug: str
+    killed: bool
+    examples: int | None  # examples until the first failure
+    property: str = ""
+    output: str = ""
+    measured: float = 0.0
+    allowed: float = 0.0
+    shrunk_spec: str = ""
+    clean_passes: bool | None = None  # the shrunk spec passes without the mutant
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def mutation_table(
+    mutants: Iterable[str] | None = None,
+    *,
+    pool=None,
+    profile: str = "ci",
+    max_examples: int | None = None,
+    properties: tuple[str, ...] = SELFTEST_PROPERTIES,
+    strategy: st.SearchStrategy[CaseSpec] | None = None,
+    shrink: bool = True,
+) -> list[KillRow]:
+    """One `KillRow` per mutant (default: all). TP mutants need ``pool`` (TP > 1 specs)."""
+    rows = []
+    for name in mutants or MUTANTS:
+        runner = Runner(pool, mutant=name)
+        search = strategy if strategy is not None else selftest_specs(runner.tp_sizes)
+        began = time.perf_counter()
+        result = run_property(
+            properties, strategy=search, profile=profile, runner=runner,
+            max_examples=max_examples, shrink=shrink,
+        )  # fmt: skip
+        row = KillRow(name, MUTANTS[name].bug, not result.passed, result.first_failure_at)
+        if result.failure:
+            first = result.failure[0]
+            row.property, row.output, row.shrunk_spec = first.property, first.output, first.spec
+            row.measured, row.allowed = first.measured, first.allowed
+            clean = check_case(result.shrunk_spec, properties=properties, runner=Runner(pool))
+            row.clean_passes = not any(v.failed for v in clean)
+        row.seconds = time.perf_counter() - began
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[KillRow]) -> str:
+    """A plain-text table: mutant, killed, examples, property/output, measured vs allowed."""
+    lines = [f"{'mutant':32} {'killed':6} {'examples':8} {'by':34} measured/allowed  seconds"]
+    for r in rows:
+        by = f"{r.property}:{r.output}" if r.killed else "-"
+        state = "yes" if r.killed and r.clean_passes else ("NO" if not r.killed else "dirty")
+        ratio = f"{r.measured:.3g}/{r.allowed:.3g}" if r.killed else "-"
+        lines.append(
+            f"{r.mutant:32} {state:6} {r.examples or '-'!s:8} {by:34} {ratio:17} {r.seconds:.1f}"
+        )
+    killed = sum(r.killed and bool(r.clean_passes) for r in rows)
+    lines.append(f"killed {killed}/{len(rows)}")
+    return "\n".join(lines)

@@ -16,6 +16,7 @@ from verify.properties.case import TOLERANCE_OUTPUT, KernelRun, expected
 from verify.properties.runner import Runner
 from verify.properties.verdict import (
     PropertyVerdict,
+    bound_check,
     exact_check,
     flag,
     pair_check,
@@ -133,7 +134,11 @@ def entropy_target_independence(spec: CaseSpec, runner: Runner) -> list[Property
 
 
 def upstream_linearity(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
-    """``bwd(A * g1 + g2) = A * bwd(g1) + bwd(g2)`` for every gradient (A = LINEARITY_A)."""
+    """``bwd(A * g1 + g2) = A * bwd(g1) + bwd(g2)`` for every gradient (A = LINEARITY_A).
+
+    Allowed: the sum of the three runs' envelopes (``atol * sqrt(n) + rtol * ||run||`` each,
+    the first scaled by |A|): if every run meets its envelope vs R, the residual meets this.
+    """
     if spec.grads == "none":
         return []
     specs = [spec.with_(transform=t) for t in ("upstream_a", "upstream_b", "upstream_mix")]
@@ -141,18 +146,17 @@ def upstream_linearity(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     for run, s in zip(runs, specs, strict=True):
         if run.status != "ok":
             return [flag("upstream_linearity", s, "status", False, run.error)]
-    exps = [expected(s) for s in specs]
     tols = load()
     out = []
     for name in GRADS:
         if name not in runs[0].outputs:
             continue
-        combined = LINEARITY_A * runs[0].outputs[name].double() + runs[1].outputs[name].double()
-        errors = [(e.base[name] - e.ref[name]).abs() for e in exps]
-        base_error = abs(LINEARITY_A) * errors[0] + errors[1] + errors[2]
+        a, b, mixed = (run.outputs[name].double() for run in runs)
         tol = tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name])
-        mixed = runs[2].outputs[name]
-        out.append(pair_check("upstream_linearity", spec, name, mixed, combined, base_error, tol))
+        norms = [abs(LINEARITY_A) * a.norm(), b.norm(), mixed.norm()]
+        allowed = 3 * tol.atol * math.sqrt(a.numel()) + tol.rtol * float(sum(norms))
+        measured = float((mixed - (LINEARITY_A * a + b)).norm())
+        out.append(bound_check("upstream_linearity", spec, name, measured, allowed, "envelope"))
     return out
 
 

@@ -126,6 +126,20 @@ def exact_check(
     )
 
 
+def bound_check(
+    prop: str, spec: CaseSpec, output: str, measured: float, allowed: float, tier: str
+) -> PropertyVerdict:
+    """A verdict from an already measured quantity and its bound (NaN measured fails)."""
+    if measured != measured:  # NaN
+        ratio = math.inf
+    else:
+        ratio = 0.0 if measured == 0.0 else (math.inf if allowed == 0.0 else measured / allowed)
+    detail = f"{measured:.3g} <= {allowed:.3g}"
+    return PropertyVerdict(
+        prop, output, tier, ratio <= 1.0, measured, allowed, ratio, detail, spec.to_json()
+    )
+
+
 def flag(prop: str, spec: CaseSpec, output: str, ok: bool, detail: str) -> PropertyVerdict:
     """A yes/no contract clause (dtype, status, inputs untouched): measured 0 or 1, allowed 0."""
     measured = 0.0 if ok else 1.0

@@ -95,8 +95,10 @@ def check_large(num_tokens=4096, hidden_size=4096, vocab=32257, temperature=0.8)
         "expected_max_abs_err": (expected - ref_expected).abs().max().item(),
         "target_max_abs_err": (stats.target_logit.double() - ref_target).abs().max().item(),
     }
+    row_max = stats.max.double()  # max, log_sumexp, entropy from the float64 reference
+    row_stats = (row_max, ref_lse - row_max, ref_lse - ref_expected)
     grads = stages.backward_grads(
-        hidden, weight, targets, 0, temperature, ref_lse.float(), ref_expected.float(),
+        hidden, weight, targets, 0, temperature, *(s.float() for s in row_stats),
         *upstream, True, True,
     )  # fmt: skip
     ref = reference_grads(hidden, weight, targets, 0, temperature, upstream)
@@ -191,10 +193,10 @@ def breakdown(num_tokens: int, hidden_size: int, vocab: int) -> dict:
     hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"].clamp(min=-1)
     stages = TritonStages()
     stats = stages.forward_stats(hidden, weight, targets, 0, 1.0)
-    lse = stats.max + stats.sumexp.log()
-    expected = stats.max + stats.sumexp_z / stats.sumexp
-    upstream = (inp["upstream"], torch.zeros_like(lse))
-    args = (hidden, weight, targets, 0, 1.0, lse, expected, *upstream)
+    log_sumexp = stats.sumexp.log()
+    entropy = log_sumexp - stats.sumexp_z / stats.sumexp
+    upstream = (inp["upstream"], torch.zeros_like(entropy))
+    args = (hidden, weight, targets, 0, 1.0, stats.max, log_sumexp, entropy, *upstream)
     out = {
         "forward_stats_ms": time_ms(lambda: stages.forward_stats(hidden, weight, targets, 0, 1.0)),
         "backward_grads_ms": time_ms(lambda: stages.backward_grads(*args, True, True)),

@@ -44,11 +44,11 @@ class FusedLogprobEntropy(torch.autograd.Function):
         owned = (local >= 0) & (local < shard.vocab_local)
         merged = merge_stats(stats, owned, shard.group)
         raise_on_bad_targets(targets, merged.owners, ignore_index)
-        zero = torch.zeros_like(merged.lse)
-        logprobs = torch.where(ignored, zero, merged.target_logit - merged.lse)
+        zero = torch.zeros_like(merged.max)
+        logprobs = torch.where(ignored, zero, merged.logprob)
         entropy = torch.where(ignored, zero, merged.entropy)
         ctx.save_for_backward(
-            compute_hidden, weight, kernel_targets, merged.lse, merged.expected_logit
+            compute_hidden, weight, kernel_targets, merged.max, merged.log_sumexp, merged.entropy
         )
         ctx.hidden_dtype = hidden.dtype
         ctx.settings = (temperature, shard, reduce_hidden, stages)
@@ -58,11 +58,11 @@ class FusedLogprobEntropy(torch.autograd.Function):
     def backward(
         ctx: Any, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        compute_hidden, weight, kernel_targets, lse, expected_logit = ctx.saved_tensors
+        compute_hidden, weight, kernel_targets, *row_stats = ctx.saved_tensors
         temperature, shard, reduce_hidden, stages = ctx.settings
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         active = kernel_targets != IGNORED
-        zero = torch.zeros_like(lse)
+        zero = torch.zeros_like(row_stats[0])
         grad_logprob = zero if grad_logprob is None else torch.where(active, grad_logprob, zero)
         grad_entropy = zero if grad_entropy is None else torch.where(active, grad_entropy, zero)
         grad_hidden, grad_weight = stages.backward_grads(
@@ -71,8 +71,7 @@ class FusedLogprobEntropy(torch.autograd.Function):
             kernel_targets,
             shard.vocab_start,
             temperature,
-            lse,
-            expected_logit,
+            *row_stats,
             grad_logprob,
             grad_entropy,
             need_hidden,
@@ -118,12 +117,12 @@ class FusedScalarLoss(torch.autograd.Function):
         per_token = torch.zeros(2, targets.shape[0], dtype=torch.float32, device=targets.device)
         logprobs, owners = per_token.unbind(0)
 
-        def merge(stats: ShardStats, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        def merge(stats: ShardStats, rows: slice) -> tuple[torch.Tensor, ...]:
             chunk = ShardStats(*(getattr(stats, f.name)[rows] for f in fields(ShardStats)))
             merged = merge_stats(chunk, owned[rows], shard.group)
-            logprobs[rows] = merged.target_logit - merged.lse
+            logprobs[rows] = merged.logprob
             owners[rows] = merged.owners
-            return merged.lse, merged.entropy
+            return merged.max, merged.log_sumexp, merged.entropy
 
         _, grad_hidden, grad_weight = stages.loss_grads_in_forward(
             hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start, temperature,

@@ -51,11 +51,16 @@ def resolve_shard(
 class GlobalStats:
     """Per-token fp32 ``[T]`` softmax statistics over the whole vocabulary."""
 
-    lse: torch.Tensor
+    max: torch.Tensor  # m, the row max over all shards
+    log_sumexp: torch.Tensor  # log sum_j exp(z_j - m): lse = m + log_sumexp, never rounded whole
     target_logit: torch.Tensor
-    expected_logit: torch.Tensor  # sum_j p_j z_j
-    entropy: torch.Tensor  # lse - expected_logit, computed without cancellation
+    entropy: torch.Tensor  # lse - sum_j p_j z_j, computed without cancellation
     owners: torch.Tensor  # how many shards hold the target id: 1 if valid, 0 if outside [0, V)
+
+    @property
+    def logprob(self) -> torch.Tensor:
+        """``z_y - lse``, subtracting the max first so no term is rounded at the logits' size."""
+        return (self.target_logit - self.max) - self.log_sumexp
 
 
 def _require_equal_shards(group: dist.ProcessGroup, vocab_local: int, device: torch.device) -> None:
@@ -95,9 +100,9 @@ def merge_stats(
     log_sumexp = torch.log(sumexp)
     centred_expectation = sumexp_z / sumexp
     return GlobalStats(
-        lse=global_max + log_sumexp,
+        max=global_max,
+        log_sumexp=log_sumexp,
         target_logit=target_logit,
-        expected_logit=global_max + centred_expectation,
         entropy=log_sumexp - centred_expectation,
         owners=owners,
     )

@@ -166,9 +166,10 @@ def strided_upstream(targets, seed, expanded_entropy):
 
 
 def run_backward(stages, hidden, weight, targets, vocab_start, temperature, upstream, **need):
-    _, lse, expected, _ = reference_stats(hidden, weight, targets, vocab_start, temperature)
+    row_max, lse, expected, _ = reference_stats(hidden, weight, targets, vocab_start, temperature)
+    row_stats = (row_max, lse - row_max, lse - expected)  # max, log_sumexp, entropy
     return stages.backward_grads(
-        hidden, weight, targets, vocab_start, temperature, lse.float(), expected.float(),
+        hidden, weight, targets, vocab_start, temperature, *(s.float() for s in row_stats),
         *upstream, need.get("need_hidden", True), need.get("need_weight", True),
     )  # fmt: skip
 
@@ -228,7 +229,7 @@ def test_empty_tokens_or_shard(num_tokens, vocab):
     )
     zeros = torch.zeros(num_tokens, device=DEVICE)
     grad_hidden, grad_weight = stages.backward_grads(
-        hidden, weight, targets, 0, 1.0, zeros, zeros, zeros, zeros, True, True
+        hidden, weight, targets, 0, 1.0, zeros, zeros, zeros, zeros, zeros, True, True
     )
     assert not grad_hidden.any() and not grad_weight.any()
     assert grad_weight.shape == weight.shape

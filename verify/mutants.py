@@ -87,22 +87,13 @@ def _rows(fn):
     to bend the upstream gradients before the real backward."""
 
     class Bent(MutantStages):
-        def backward_grads(self, hidden, weight, targets, vocab_start, temperature, lse, e, *rest):
-            g_lp, g_ent, need_h, need_w = rest
+        def backward_grads(self, hidden, weight, targets, vocab_start, temperature, *rest):
+            *row_stats, g_lp, g_ent, need_h, need_w = rest
             g_lp, g_ent = fn(g_lp, g_ent, targets, vocab_start, weight.shape[0])
             return self.inner.backward_grads(
-                hidden,
-                weight,
-                targets,
-                vocab_start,
-                temperature,
-                lse,
-                e,
-                g_lp,
-                g_ent,
-                need_h,
-                need_w,
-            )
+                hidden, weight, targets, vocab_start, temperature, *row_stats,
+                g_lp, g_ent, need_h, need_w,
+            )  # fmt: skip
 
     return Bent
 

@@ -58,8 +58,9 @@ class StageBackend(Protocol):
         targets: torch.Tensor,
         vocab_start: int,
         temperature: float,
-        lse: torch.Tensor,
-        expected_logit: torch.Tensor,
+        row_max: torch.Tensor,
+        log_sumexp: torch.Tensor,
+        entropy: torch.Tensor,
         grad_logprob: torch.Tensor,
         grad_entropy: torch.Tensor,
         need_hidden: bool,
@@ -67,10 +68,13 @@ class StageBackend(Protocol):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Gradients of ``sum_t g_lp[t] * logprob[t] + g_ent[t] * entropy[t]`` for the local shard.
 
-        ``lse`` and ``expected_logit = sum_j p_j z_j`` are the *global* (all-shard) fp32 ``[T]``
-        values; ``grad_logprob``/``grad_entropy`` are fp32 ``[T]`` (zero on ignored rows). With
-        ``p = exp(z - lse)``: ``d_z = g_lp * (onehot - p) - g_ent * p * (z - expected_logit)`` and
-        ``d_logits = d_z / temperature``. Returns fp32 ``grad_hidden [T, H]`` (this shard's partial
-        sum) and fp32 ``grad_weight [V_local, H]``, or None where not needed.
+        ``row_max`` (m), ``log_sumexp`` (``log sum_j exp(z_j - m)``) and ``entropy`` are the
+        *global* (all-shard) fp32 ``[T]`` values, kept apart so nothing is rounded at the logits'
+        magnitude: ``log p = (z - m) - log_sumexp`` and ``z - E[z] = log p + entropy``.
+        ``grad_logprob`` and ``grad_entropy`` are fp32 ``[T]`` of any stride (zero on ignored rows).
+        ``d_z = g_lp * (onehot - p) - g_ent * p * (z - E[z])``, ``d_logits = d_z / temperature``.
+        Returns fp32 ``grad_hidden [T, H]`` (this shard's partial sum) and ``grad_weight
+        [V_local, H]`` in fp32 or already in weight's dtype (rounded once from an fp32
+        accumulation), or None where not needed.
         """
         ...

@@ -15,7 +15,8 @@ from lce.backends.base import ShardStats
 # Elements of one [chunk, V_local] fp32 block: 16 Mi = 64 MiB, so peak stays a few such blocks.
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
 
-GlobalMerge = Callable[[ShardStats, slice], tuple[torch.Tensor, torch.Tensor]]
+# (chunk stats, rows) -> global (row_max, log_sumexp, entropy) of those rows
+GlobalMerge = Callable[[ShardStats, slice], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _accumulation_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -59,8 +60,9 @@ class TorchChunkedStages:
         targets: torch.Tensor,
         vocab_start: int,
         temperature: float,
-        lse: torch.Tensor,
-        expected_logit: torch.Tensor,
+        row_max: torch.Tensor,
+        log_sumexp: torch.Tensor,
+        entropy: torch.Tensor,
         grad_logprob: torch.Tensor,
         grad_entropy: torch.Tensor,
         need_hidden: bool,
@@ -70,12 +72,11 @@ class TorchChunkedStages:
         if weight.shape[0] == 0:
             return grad_hidden, grad_weight
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
-        entropy = lse - expected_logit
         for rows in self._chunks(hidden.shape[0], weight.shape[0]):
             z = _logits(hidden[rows], weight, temperature)
             d = _chunk_dlogits(
-                z, lse[rows], entropy[rows], grad_logprob[rows], grad_entropy[rows],
-                local[rows], owned[rows], temperature,
+                z, (row_max[rows], log_sumexp[rows], entropy[rows]), grad_logprob[rows],
+                grad_entropy[rows], local[rows], owned[rows], temperature,
             )  # fmt: skip
             _accumulate(d, hidden, weight, rows, grad_hidden, grad_weight)
         return grad_hidden, grad_weight
@@ -96,7 +97,7 @@ class TorchChunkedStages:
 
         For a loss whose upstream gradient is known before backward (sum/mean): each chunk's
         logits are computed once (3 GEMMs in all instead of 4). ``merge(stats, rows)`` turns the
-        chunk's shard stats into global ``(lse, entropy)`` for those rows (TP collectives included).
+        chunk's shard stats into the global row stats of those rows (TP collectives included).
         """
         stats = _empty_stats(hidden, weight)
         grad_hidden, grad_weight = _grad_buffers(hidden, weight, need_hidden, need_weight)
@@ -107,9 +108,8 @@ class TorchChunkedStages:
         for rows in self._chunks(hidden.shape[0], weight.shape[0]):
             z = _logits(hidden[rows], weight, temperature)
             _chunk_stats(z, local[rows], owned[rows], stats, rows, keep_logits=True)
-            lse, entropy = merge(stats, rows)
             d = _chunk_dlogits(
-                z, lse, entropy, grad_logprob[rows], no_entropy_grad[rows],
+                z, merge(stats, rows), grad_logprob[rows], no_entropy_grad[rows],
                 local[rows], owned[rows], temperature,
             )  # fmt: skip
             _accumulate(d, hidden, weight, rows, grad_hidden, grad_weight)
@@ -170,18 +170,21 @@ def _chunk_stats(
 
 def _chunk_dlogits(
     z: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
+    row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     grad_logprob: torch.Tensor,
     grad_entropy: torch.Tensor,
     local: torch.Tensor,
     owned: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
-    """``d_logits = (g_lp (onehot - p) - g_ent p (z - E)) / temperature``, in ``z``'s buffer."""
+    """``d_logits = (g_lp (onehot - p) - g_ent p (z - E)) / temperature``, in ``z``'s buffer.
+
+    ``row_stats`` = global (row_max, log_sumexp, entropy): log p = (z - max) - log_sumexp.
+    """
+    row_max, log_sumexp, entropy = row_stats
     g_lp = grad_logprob[:, None] / temperature
     g_ent = grad_entropy[:, None] / temperature
-    d = z.sub_(lse[:, None])  # log p
+    d = z.sub_(row_max[:, None]).sub_(log_sumexp[:, None])  # log p
     p = torch.exp(d)
     # z - E = log p + entropy
     d.add_(entropy[:, None]).mul_(g_ent).add_(g_lp).mul_(p).neg_()

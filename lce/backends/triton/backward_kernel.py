@@ -1,6 +1,8 @@
 """Backward stage, part 1: recompute a ``[T, chunk]`` logits block and write its d_logits.
 
-``d_z = g_lp * (onehot - p) - g_ent * p * (z - expected_logit)`` in fp32, ``d_logits = d_z / temp``,
+``d_z = g_lp * (onehot - p) - g_ent * p * (z - E[z])`` in fp32 with ``log p = (z - max) -
+log_sumexp`` and ``z - E[z] = log p + entropy`` (nothing rounded at the logits' magnitude),
+``d_logits = d_z / temp``,
 stored once in the weight's dtype so the two gradient GEMMs (`stages`) run on tensor cores. The
 buffer is one vocab chunk, never ``[T, V]`` unless V fits the chunk budget.
 """
@@ -21,8 +23,9 @@ def _dlogits_kernel(
     hidden,
     weight,
     targets_ptr,
-    lse_ptr,
-    expected_ptr,
+    max_ptr,
+    log_sumexp_ptr,
+    entropy_ptr,
     grad_logprob_ptr,
     grad_entropy_ptr,
     dlogits_ptr,
@@ -64,14 +67,16 @@ def _dlogits_kernel(
             BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, BF16_INTERPRETED, PRECISION,
         )  # fmt: skip
     z = acc * inv_temp
-    lse = tl.load(lse_ptr + rows)
-    expected = tl.load(expected_ptr + rows)
+    row_max = tl.load(max_ptr + rows)
+    log_sumexp = tl.load(log_sumexp_ptr + rows)
+    entropy = tl.load(entropy_ptr + rows)
     g_lp = tl.load(grad_logprob_ptr + rows * stride_glp)
     g_ent = tl.load(grad_entropy_ptr + rows * stride_gent)
     local_target = tl.load(targets_ptr + rows) - chunk_start
-    p = tl.exp(z - lse[:, None])
+    log_p = (z - row_max[:, None]) - log_sumexp[:, None]
+    p = tl.exp(log_p)
     onehot = tl.where(offs_v[None, :] == local_target[:, None], 1.0, 0.0)
-    d_z = g_lp[:, None] * (onehot - p) - g_ent[:, None] * p * (z - expected[:, None])
+    d_z = g_lp[:, None] * (onehot - p) - g_ent[:, None] * p * (log_p + entropy[:, None])
     # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed.
     active = (g_lp != 0.0) | (g_ent != 0.0)
     d_logits = tl.where(active[:, None], d_z * inv_temp, 0.0)
@@ -89,8 +94,9 @@ def dlogits_chunk(
     targets: torch.Tensor,
     chunk_start: int,
     temperature: float,
-    lse: torch.Tensor,
-    expected_logit: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sumexp: torch.Tensor,
+    entropy: torch.Tensor,
     grad_logprob: torch.Tensor,
     grad_entropy: torch.Tensor,
     out: torch.Tensor,
@@ -105,7 +111,7 @@ def dlogits_chunk(
     tiles = config.backward
     grid = (triton.cdiv(num_tokens, tiles.block_t) * triton.cdiv(chunk, tiles.block_v),)
     _dlogits_kernel[grid](
-        targets_ptr=targets, lse_ptr=lse, expected_ptr=expected_logit,
+        targets_ptr=targets, max_ptr=row_max, log_sumexp_ptr=log_sumexp, entropy_ptr=entropy,
         grad_logprob_ptr=grad_logprob, grad_entropy_ptr=grad_entropy, dlogits_ptr=out,
         T=num_tokens, C=chunk, H=hidden_size, chunk_start=chunk_start, inv_temp=1.0 / temperature,
         stride_glp=grad_logprob.stride(0), stride_gent=grad_entropy.stride(0),

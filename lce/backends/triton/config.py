@@ -58,9 +58,9 @@ class TritonConfig:
     backward's cuBLAS GEMMs follow ``torch.backends.cuda.matmul.allow_tf32`` instead.
     ``use_tma``: load tiles through TMA descriptors where the layout allows (16-byte aligned rows,
     unit last stride); other layouts use pointer loads either way.
-    ``grad_weight_fp32``: True returns grad_weight in fp32 (the StageBackend contract); False in
-    weight's dtype, written by the GEMM from its fp32 accumulator (the same single rounding as a
-    later cast, without the fp32 ``[V_local, H]`` buffer).
+    ``grad_weight_fp32``: True returns grad_weight in fp32; False (the StageBackend contract allows
+    it) in weight's dtype, written by the GEMM from its fp32 accumulator (the same single rounding
+    as a later cast, without the fp32 ``[V_local, H]`` buffer).
     """
 
     forward: TileShape

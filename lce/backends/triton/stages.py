@@ -66,8 +66,9 @@ class TritonStages:
         targets: torch.Tensor,
         vocab_start: int,
         temperature: float,
-        lse: torch.Tensor,
-        expected_logit: torch.Tensor,
+        row_max: torch.Tensor,
+        log_sumexp: torch.Tensor,
+        entropy: torch.Tensor,
         grad_logprob: torch.Tensor,
         grad_entropy: torch.Tensor,
         need_hidden: bool,
@@ -91,7 +92,7 @@ class TritonStages:
             return grad_hidden, grad_weight
         width = self._chunk_width(num_tokens, vocab_local, weight.element_size(), config)
         buffer = torch.empty(num_tokens, width, dtype=weight.dtype, device=hidden.device)
-        row_stats = (lse.float().contiguous(), expected_logit.float().contiguous())
+        row_stats = tuple(s.float().contiguous() for s in (row_max, log_sumexp, entropy))
         upstream = (grad_logprob.float(), grad_entropy.float())
         for start in range(0, vocab_local, width):
             rows = slice(start, min(start + width, vocab_local))

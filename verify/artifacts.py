@@ -22,6 +22,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from verify.spec import CaseSpec
 from verify.tolerances import EXACT_FIELDS, FIELDS, OUTPUTS, Tolerances
 from verify.tolerances import load as load_tolerances
@@ -99,6 +101,28 @@ def verdict_record(verdict: Any) -> dict[str, Any]:
     return {key: _json_safe(value) for key, value in data.items()}
 
 
+def reference_sha256(spec: CaseSpec) -> str | None:
+    """sha256 of the float64 reference outputs of ``spec``: the same at every backend and TP
+    degree (None when the spec has no reference, e.g. an invalid input for the status property)."""
+    from verify.properties.case import expected
+
+    try:
+        ref = expected(spec).ref
+    except Exception:  # the reference is evidence, not a requirement: never block saving
+        return None
+    digest = hashlib.sha256()
+    update_digest(digest, ref)
+    return digest.hexdigest()
+
+
+def update_digest(digest: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Feed name, dtype, shape and raw bytes of each tensor (in name order) into ``digest``."""
+    for name in sorted(tensors):
+        value = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
 def is_failure(verdict: dict[str, Any]) -> bool:
     """A recorded verdict that fails and is not of a known, already reported class."""
     return not verdict.get("passed", True) and not verdict.get("known")
@@ -154,6 +178,7 @@ def make_record(
         "shrunk": shrunk,
         "mutant": mutant,
         "examples": examples,
+        "reference_sha256": reference_sha256(spec),
         "versions": versions(),
         "device": device_description(device),
         "tolerances": tolerance_entries(spec.dtype_key, outputs, tolerances or load_tolerances()),
@@ -200,13 +225,17 @@ def write(record: dict[str, Any], failures_dir: Path | str) -> Path:
 
 
 def replay_command(path: Path | str) -> str:
-    """The one line that replays ``path`` (relative to the working directory when under it)."""
+    """The one line that replays ``path``."""
+    return f"python -m verify replay {display_path(path)}"
+
+
+def display_path(path: Path | str) -> Path:
+    """``path`` relative to the working directory when it lies under it, else as given."""
     path = Path(path)
     try:
-        shown = path.resolve().relative_to(Path.cwd().resolve())
+        return path.resolve().relative_to(Path.cwd().resolve())
     except ValueError:
-        shown = path
-    return f"python -m verify replay {shown}"
+        return path
 
 
 def load(path: Path | str) -> Artifact:
@@ -249,7 +278,7 @@ def _json_safe(value: Any) -> Any:
 
 
 def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:80]
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", text)[:80]
 
 
 def _file_sha256(path: str) -> str | None:

@@ -8,6 +8,7 @@ the pool is rebuilt for the next slice. The report (JSON, Markdown, PNG) goes to
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,6 @@ from verify.profiles import profile_settings
 from verify.progress import Progress
 from verify.properties.registry import PROPERTIES
 from verify.properties.runner import Runner
-from verify.replay import reference_sha256
 from verify.spec import BACKENDS, CaseSpec
 from verify.strategies import case_specs, invalid_specs
 
@@ -115,15 +115,20 @@ def search(names: list[str], **options: Any) -> SearchResult:
         return result
 
 
-def run_campaign(config: CampaignConfig, progress: Progress | None = None) -> CampaignResult:
-    """Run each backend x TP slice of ``config`` and write the report; a failure does not raise."""
+def run_campaign(
+    config: CampaignConfig, progress: Progress | None = None, pool: WorkerPool | None = None
+) -> CampaignResult:
+    """Run each backend x TP slice of ``config`` and write the report; a failure does not raise.
+
+    TP > 1 slices use ``pool`` when given (left open), else a pool made and closed here.
+    """
     config.validate()
+    own_pool = pool is None
     progress = progress or Progress(config.profile, config.budget_s, stream=sys.stderr)
     tally, saved = report.Tally(), []
     began = time.monotonic()
     deadline = began + config.budget_s
     slices = [(b, tp) for b in config.backends for tp in config.tp_sizes]
-    pool: WorkerPool | None = None
     exhausted = False
     try:
         for index, (backend, tp) in enumerate(slices):
@@ -137,7 +142,8 @@ def run_campaign(config: CampaignConfig, progress: Progress | None = None) -> Ca
             share = remaining / (len(slices) - index)  # time left over flows to later slices
             progress.start_slice(backend, tp)
             search = _Slice(config, backend, tp, tally, progress)
-            search.run(pool, time.monotonic() + share, with_status=backend == config.backends[0])
+            search.deadlines = (time.monotonic() + share, deadline)
+            search.run(pool, with_status=backend == config.backends[0])
             exhausted |= search.status == "budget"
             saved.extend(search.artifacts)
             tally.slices.append(
@@ -146,7 +152,7 @@ def run_campaign(config: CampaignConfig, progress: Progress | None = None) -> Ca
                 )
             )
     finally:
-        if pool is not None:
+        if own_pool and pool is not None:
             pool.close()
         progress.finish()
     meta = _meta(config, time.monotonic() - began, exhausted)
@@ -168,11 +174,15 @@ class _Slice:
         self.artifacts: list[Path] = []
         self.current: CaseSpec | None = None  # the last drawn spec: after shrinking, the minimal
         self.failed = False
-        self.deadline = 0.0
+        # The latest failing example (spec, failing verdicts, examples before the first failure):
+        # shrinking's best so far, saved unshrunk if the budget stops the shrinking.
+        self.latest_failure: tuple[CaseSpec, list[Any], int] | None = None
+        # Searching stops at the slice's share of the budget; shrinking may go on to the end of
+        # the campaign's budget (a found failure is worth more than later slices' examples).
+        self.deadlines = (math.inf, math.inf)
 
-    def run(self, pool: WorkerPool | None, deadline: float, with_status: bool) -> None:
+    def run(self, pool: WorkerPool | None, with_status: bool) -> None:
         """The status search (invalid inputs, cheap) first when asked, then the valid cases."""
-        self.deadline = deadline
         runner = _GuardedRunner(pool if self.tp > 1 else None, self.config.mutant)
         valid = [n for n in self.names if n != "status"]
         searches = []
@@ -189,7 +199,7 @@ class _Slice:
 
     def _search(self, names: list[str], strategy: Any, runner: Runner) -> None:
         """One Hypothesis search; its shrunk failure (or minimal raising case) is saved."""
-        self.failed, self.current = False, None
+        self.failed, self.current, self.latest_failure = False, None, None
         try:
             result = search(
                 names,
@@ -205,6 +215,9 @@ class _Slice:
                 self._save(spec, names, result.failure, None, result.first_failure_at)
         except BudgetExhausted:
             self.status = "budget"
+            if self.latest_failure is not None:  # shrinking was cut short: save its best so far
+                spec, failing, at = self.latest_failure
+                self._save(spec, names, failing, None, at, shrunk=False)
         except InfraFault as fault:
             self.status = "infrastructure error"
             where = f"{self.backend} TP={self.tp}"
@@ -224,8 +237,12 @@ class _Slice:
             self.examples += 1
             self.tally.add_example(spec.dtype_key, spec.backend, spec.tp, verdicts)
             self.progress.example()
-        self.failed |= any(v.failed for v in verdicts)
-        if not self.failed and time.monotonic() > self.deadline:
+        failing = [v for v in verdicts if v.failed]
+        if failing:
+            at = self.latest_failure[2] if self.latest_failure else self.examples
+            self.latest_failure = (spec, failing, at)
+        self.failed |= bool(failing)
+        if time.monotonic() > self.deadlines[1 if self.failed else 0]:
             raise BudgetExhausted
 
     def _save(
@@ -255,7 +272,6 @@ class _Slice:
             mutant=self.config.mutant,
             examples=at,
         )
-        record["reference_sha256"] = _reference_or_none(spec)
         path = artifacts.write(record, self.config.failures_path)
         self.artifacts.append(path)
         worst = max(failing, key=lambda v: report.order(v.ratio), default=None)
@@ -273,13 +289,6 @@ class _Slice:
             }
         )
         self.progress.failure()
-
-
-def _reference_or_none(spec: CaseSpec) -> str | None:
-    try:
-        return reference_sha256(spec)
-    except Exception:  # an invalid-input spec (status property) may have no reference
-        return None
 
 
 def _slice_row(

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+CORPUS_DIR = Path(__file__).resolve().parent / "corpus"  # the regression corpus (verify.corpus)
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
@@ -210,36 +210,35 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
     if not files:
         raise UsageError(f"--dir {args.dir}: holds no *.json artifacts")
     loaded = _load_all(files, artifacts)
-
-    def plans(artifact):  # the fix must hold; a planted bug must still be caught
-        planted = artifact.record.get("mutant")
-        return [(None, True)] + ([(planted, False)] if planted else [])
+    from verify.corpus import plans
 
     return _replay_all(loaded, args, plans, times=1, annotate=True)
 
 
 def _cmd_mutants(args: argparse.Namespace) -> int:
-    from verify.mutant_table import kill_mutants, table, write_json
+    import json
+
+    from verify.corpus import save_kill
     from verify.mutants import MUTANTS
+    from verify.selftest import format_table, mutation_table, selftest_specs
 
     names = list(args.only or MUTANTS)
     unknown = [n for n in names if n not in MUTANTS]
     if unknown:
         raise UsageError(f"--only: unknown mutant(s) {unknown}; known: {', '.join(MUTANTS)}")
     with _pool_for(max(args.tp), args.device) as pool:
-        outcomes = kill_mutants(
-            names,
-            profile=args.profile,
-            backend=args.backend,
-            tp_sizes=args.tp,
-            pool=pool,
-            save_dir=args.save_corpus,
-            device=args.device,
-        )
-    print("\n".join(table(outcomes)))
+        specs = selftest_specs(args.tp).map(lambda spec: spec.with_(backend=args.backend))
+        rows = mutation_table(names, pool=pool, profile=args.profile, strategy=specs)
+        print(format_table(rows))
+        for row in rows:
+            if row.killed:
+                print(f"  {row.mutant}: shrunk spec {row.shrunk_spec}")
+            if args.save_corpus is not None:
+                path = save_kill(row, pool, args.save_corpus, args.device)
+                print(f"    saved {path}" if path else f"  {row.mutant}: nothing to save")
     if args.json is not None:
-        write_json(outcomes, args.json)
-    return EXIT_PASS if all(o.killed for o in outcomes) else EXIT_FAIL
+        args.json.write_text(json.dumps([row.to_json() for row in rows], indent=1) + "\n")
+    return EXIT_PASS if all(row.killed and row.clean_passes for row in rows) else EXIT_FAIL
 
 
 def _replay_all(loaded, args, plans: Callable, times: int, annotate: bool) -> int:
@@ -248,10 +247,11 @@ def _replay_all(loaded, args, plans: Callable, times: int, annotate: bool) -> in
     from verify.replay import replay, summary_lines
 
     tps = [args.tp or a.spec.tp for a in loaded]
-    ok = True
+    ok, runs, unexpected = True, 0, 0
     with _pool_for(max(tps), args.device) as pool:
         for artifact, tp in zip(loaded, tps, strict=True):
             for mutant, must_pass in plans(artifact):
+                _check_override(artifact, args)
                 result = replay(
                     artifact,
                     backend=args.backend,
@@ -262,9 +262,22 @@ def _replay_all(loaded, args, plans: Callable, times: int, annotate: bool) -> in
                 )
                 good = result.passed == must_pass and result.identical
                 ok &= good
+                runs, unexpected = runs + 1, unexpected + (not good)
                 for line in summary_lines(result, must_pass if annotate else None):
                     print(line)
+    verdict = "as expected" if ok else f"{unexpected} not as expected"
+    print(f"{len(loaded)} artifact(s), {runs} replay(s): {verdict}")
     return EXIT_PASS if ok else EXIT_FAIL
+
+
+def _check_override(artifact, args: argparse.Namespace) -> None:
+    from verify.spec import SpecError
+
+    changes = {k: v for k, v in (("backend", args.backend), ("tp", args.tp)) if v is not None}
+    try:
+        artifact.spec.with_(**changes)
+    except SpecError as exc:
+        raise UsageError(f"{artifact.path}: cannot replay with {changes}: {exc}") from exc
 
 
 def _pool_for(tp: int, device: str):

@@ -12,11 +12,16 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from verify.artifacts import Artifact, is_failure, verdict_record
+from verify.artifacts import (
+    Artifact,
+    display_path,
+    is_failure,
+    reference_sha256,
+    update_digest,
+    verdict_record,
+)
 from verify.engine import check_case
-from verify.properties.case import KernelRun, expected
+from verify.properties.case import KernelRun
 from verify.properties.runner import Runner
 from verify.spec import CaseSpec
 
@@ -45,7 +50,7 @@ class ReplayResult:
     spec: CaseSpec
     mutant: str | None
     runs: list[RunDigest]
-    reference_sha256: str
+    reference_sha256: str | None
 
     @property
     def passed(self) -> bool:
@@ -85,7 +90,7 @@ class _RecordingRunner(Runner):
         result = super().run(spec, fresh=fresh)
         self.digest.update(spec.to_json().encode())
         self.digest.update(f"{result.status}|{result.error}".encode())
-        _update_tensors(self.digest, result.outputs)
+        update_digest(self.digest, result.outputs)
         return result
 
 
@@ -118,20 +123,6 @@ def replay(
     return ReplayResult(artifact, spec, planted, runs, reference_sha256(spec))  # type: ignore[arg-type]
 
 
-def reference_sha256(spec: CaseSpec) -> str:
-    """sha256 of the float64 reference outputs of ``spec`` (independent of backend and TP)."""
-    digest = hashlib.sha256()
-    _update_tensors(digest, expected(spec).ref)
-    return digest.hexdigest()
-
-
-def _update_tensors(digest: Any, tensors: dict[str, torch.Tensor]) -> None:
-    for name in sorted(tensors):
-        value = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
-        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
 def _key(verdict: dict[str, Any]) -> tuple[str, str, str]:
     return (verdict["property"], verdict["output"], verdict["tier"])
 
@@ -147,11 +138,11 @@ def summary_lines(result: ReplayResult, expect_pass: bool | None = None) -> list
         expectation = " (UNEXPECTED: " + ("should pass)" if expect_pass else "bug not caught)")
     matches = {True: "matches the artifact", False: "DIFFERS from artifact", None: "not recorded"}
     lines = [
-        f"{result.artifact.path}: {outcome}{expectation} "
+        f"{display_path(result.artifact.path)}: {outcome}{expectation} "
         f"[{result.artifact.property_name} on {spec.backend} TP={spec.tp}{planted}]",
         f"  runs: {len(result.runs)}, bit-identical: {'yes' if result.identical else 'NO (flaky)'}"
         f"; kernel sha256 {first.kernel_sha256[:16]}",
-        f"  reference sha256 {result.reference_sha256[:16]} "
+        f"  reference sha256 {(result.reference_sha256 or 'none')[:16]} "
         f"({matches[result.reference_matches_artifact]})",
     ]
     if not result.passed and result.artifact.verdicts:

@@ -1,0 +1,139 @@
+"""The `verify` command line: help, clear usage errors, exit codes, and a small end-to-end run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verify import artifacts
+from verify.cli import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, main
+from verify.engine import check_case
+from verify.spec import CaseSpec
+
+MUTANT = "mean_over_all_rows"  # reduction='mean' divides by every row, ignored ones too
+# A case that catches it: half the rows ignored, mean reduction (loss off by a factor of 2).
+CAUGHT = CaseSpec(tokens=4, hidden_size=8, vocab=16, ignore="chunk", reduction="mean", seed=3)
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["replay"], ["corpus"], ["mutants"]])
+def test_every_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: lce-verify" in capsys.readouterr().out
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == EXIT_USAGE
+    assert "run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--backends", "cuda_magic"], "--backends: unknown backend 'cuda_magic'"),
+        (["run", "--profile", "weekly"], "unknown profile 'weekly'"),
+        (["run", "--tp", "3"], "--tp: TP degree must be one of"),
+        (["run", "--budget-s", "0"], "--budget-s must be > 0"),
+        (["run", "--properties", "nope"], "--properties: unknown 'nope'"),
+        (["replay", "missing.json"], "missing.json: no such file"),
+        (["replay", "--times", "0", "x.json"], "--times must be >= 1"),
+        (["mutants", "--only", "nope"], "--only: unknown mutant(s) ['nope']"),
+    ],
+)
+def test_bad_input_is_a_clear_usage_error(argv, message, capsys):
+    assert main(argv) == EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+def test_bad_list_syntax_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--tp", "one,two"])
+    assert exit_info.value.code == EXIT_USAGE
+    assert "expected integers like 1,2,4" in capsys.readouterr().err
+
+
+def test_corpus_needs_a_directory_with_artifacts(tmp_path, capsys):
+    assert main(["corpus", "--dir", str(tmp_path)]) == EXIT_USAGE
+    assert "holds no *.json artifacts" in capsys.readouterr().err
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """An artifact of the mutant's failure on `CAUGHT`, as a campaign would save it."""
+    from verify.mutants import applied
+
+    with applied(MUTANT):
+        verdicts = check_case(CAUGHT, properties=["differential"])
+    failing = [v for v in verdicts if v.failed]
+    assert failing, "the planted bug should fail the differential property on CAUGHT"
+    record = artifacts.make_record(CAUGHT, "differential", failing, shrunk=False, mutant=MUTANT)
+    return artifacts.write(record, tmp_path)
+
+
+def test_replay_exit_codes_follow_the_verdict(planted, capsys):
+    assert main(["replay", str(planted)]) == EXIT_FAIL
+    out = capsys.readouterr().out
+    assert (
+        "FAILED" in out and "bit-identical: yes" in out and "same failure as recorded: yes" in out
+    )
+    assert main(["replay", "--without-mutant", str(planted)]) == EXIT_PASS
+    assert "passed" in capsys.readouterr().out
+
+
+def test_replay_refuses_a_tp_the_spec_cannot_split(planted, capsys):
+    assert main(["replay", "--tp", "2", "--without-mutant", str(planted)]) == EXIT_PASS
+    assert "(matches the artifact)" in capsys.readouterr().out
+    small = artifacts.write(
+        {**json.loads(planted.read_text()), "spec": json.loads(CAUGHT.with_(vocab=2).to_json())},
+        planted.parent,
+    )
+    assert main(["replay", "--tp", "4", str(small)]) == EXIT_USAGE
+    assert "vocab (2) must be >= tp (4)" in capsys.readouterr().err
+
+
+def test_corpus_checks_the_fix_holds_and_the_bug_is_caught(planted, capsys):
+    assert main(["corpus", "--dir", str(planted.parent)]) == EXIT_PASS
+    assert "UNEXPECTED" not in capsys.readouterr().out
+    # An entry whose spec cannot catch its bug (TP=1 has no grad_hidden reduction to forget).
+    record = {**json.loads(planted.read_text()), "mutant": "grad_hidden_not_reduced"}
+    artifacts.write(record, planted.parent)
+    assert main(["corpus", "--dir", str(planted.parent)]) == EXIT_FAIL
+    assert "UNEXPECTED: bug not caught" in capsys.readouterr().out
+
+
+def test_run_writes_a_readable_report(tmp_path, capsys):
+    out = tmp_path / "report"
+    argv = [
+        "run",
+        "--backends",
+        "torch",
+        "--tp",
+        "1",
+        "--max-examples",
+        "4",
+        "--properties",
+        "differential,contract",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == EXIT_PASS
+    assert "ci campaign: PASSED" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["schema"] == "lce-campaign-report" and report["passed"]
+    assert report["examples"] >= 4 and report["slices"][0]["status"] == "done"
+    assert {c["property"] for c in report["counts"]} == {"differential", "contract"}
+    assert {w["output"] for w in report["worst"]} >= {"logprobs", "grad_hidden", "grad_weight"}
+    markdown = (out / "report.md").read_text()
+    assert "# ci campaign: PASSED" in markdown and "| differential |" in markdown
+    assert (out / "ratios.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mutants_prints_the_kill_table(tmp_path, capsys):
+    argv = ["mutants", "--only", MUTANT, "--tp", "1", "--save-corpus", str(tmp_path)]
+    assert main(argv) == EXIT_PASS
+    out = capsys.readouterr().out
+    assert MUTANT in out and "killed 1/1" in out and "shrunk spec {" in out
+    (saved,) = tmp_path.glob("*.json")
+    assert artifacts.load(saved).record["mutant"] == MUTANT

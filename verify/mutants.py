@@ -88,11 +88,13 @@ def _rows(fn):
 
     class Bent(MutantStages):
         def backward_grads(self, hidden, weight, targets, vocab_start, temperature, *rest):
+            # rest = (*row_stats, grad_logprob, grad_entropy, need_hidden, need_weight); the
+            # row statistics vary between lce versions, the last four do not.
             *row_stats, g_lp, g_ent, need_h, need_w = rest
             g_lp, g_ent = fn(g_lp, g_ent, targets, vocab_start, weight.shape[0])
             return self.inner.backward_grads(
-                hidden, weight, targets, vocab_start, temperature, *row_stats,
-                g_lp, g_ent, need_h, need_w,
+                hidden, weight, targets, vocab_start, temperature,
+                *row_stats, g_lp, g_ent, need_h, need_w,
             )  # fmt: skip
 
     return Bent
@@ -127,14 +129,14 @@ class Bf16GradWeight(MutantStages):
     """grad_weight accumulated chunk by chunk in a bf16 buffer."""
 
     def backward_grads(self, hidden, weight, targets, vocab_start, temperature, *rest):
-        lse, e, g_lp, g_ent, need_h, need_w = rest
+        *row_stats, g_lp, g_ent, need_h, need_w = rest
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.bfloat16) if need_w else None
         for start in range(0, hidden.shape[0], BUGGY_CHUNK):
             r = slice(start, start + BUGGY_CHUNK)
             gh, gw = self.inner.backward_grads(
                 hidden[r], weight, targets[r], vocab_start, temperature,
-                lse[r], e[r], g_lp[r], g_ent[r], need_h, need_w,
+                *(stat[r] for stat in row_stats), g_lp[r], g_ent[r], need_h, need_w,
             )  # fmt: skip
             if gh is not None:
                 grad_hidden = grad_hidden.to(gh.dtype)

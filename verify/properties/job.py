@@ -73,7 +73,9 @@ def with_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "transposed" and tensor.dim() >= 2:
         return tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
     if layout == "sliced":
-        wide = torch.zeros(*tensor.shape[:-1], tensor.shape[-1] + 3, dtype=tensor.dtype)
+        wide = torch.zeros(
+            *tensor.shape[:-1], tensor.shape[-1] + 3, dtype=tensor.dtype, device=tensor.device
+        )
         wide[..., 1:-2] = tensor
         return wide[..., 1:-2]
     return tensor.clone()
@@ -85,7 +87,7 @@ def upstream_view(grad: torch.Tensor, spec: CaseSpec, shape: tuple[int, ...]) ->
     if spec.upstream == "expanded" and grad.numel():
         return grad.reshape(-1)[:1].view([1] * len(shape) or []).expand(shape)
     if spec.upstream == "strided":
-        wide = torch.zeros(*shape, 2, dtype=grad.dtype)
+        wide = torch.zeros(*shape, 2, dtype=grad.dtype, device=grad.device)
         wide[..., 0] = grad
         return wide[..., 0]
     return grad

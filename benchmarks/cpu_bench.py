@@ -3,7 +3,7 @@
 Each method runs in a fresh subprocess (peak RSS is per process); all methods in one invocation, so
 the ratios compare like with like. Prints a table and writes JSON.
 
-    python benchmarks/cpu_bench.py [--tokens 4096 --hidden 1024 --vocab 32000] [--out results/cpu.json]
+    python benchmarks/cpu_bench.py [--tokens 4096 --hidden 1024 --vocab 32000] [--out FILE]
 """
 
 from __future__ import annotations
@@ -91,7 +91,11 @@ def main() -> None:
             f"{row['time_vs_chunked_peer']:>11.2f}{row['peak_vs_chunked_peer']:>11.2f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "machine": platform.machine(), "threads": torch.get_num_threads()}
+    meta = {
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
     args.out.write_text(json.dumps({"shape": shape[:3], "meta": meta, "rows": rows}, indent=2))
     print(f"wrote {args.out}")
 

@@ -1,0 +1,30 @@
+"""Verify any linear cross-entropy implementation through an adapter (docs/verify-your-kernel.md).
+
+`resolve` selects one by built-in name or ``module:function``; `check_impl` searches it under a
+profile; `replay_impl` re-runs a saved failure through it.
+"""
+
+from verify.adapters.check import ImplReport, check_impl
+from verify.adapters.protocol import (
+    Adapter,
+    AdapterError,
+    Call,
+    Capabilities,
+    NumericalContract,
+)
+from verify.adapters.registry import from_loss_fn, names, resolve
+from verify.adapters.replay import replay_impl
+
+__all__ = [
+    "Adapter",
+    "AdapterError",
+    "Call",
+    "Capabilities",
+    "ImplReport",
+    "NumericalContract",
+    "check_impl",
+    "from_loss_fn",
+    "names",
+    "replay_impl",
+    "resolve",
+]

@@ -1,0 +1,148 @@
+"""Built-in adapters: lce (both backends), torch's linear_cross_entropy, Liger, cut-cross-entropy.
+
+Each factory returns an `Adapter` or raises `AdapterError` saying what is missing (a package, a
+torch version, a CUDA device). Third-party packages are imported only when their adapter is asked
+for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+import lce
+from verify.adapters.protocol import Adapter, AdapterError, Call, Capabilities, NumericalContract
+from verify.spec import BACKENDS
+
+
+def _lce_tokens(call: Call) -> dict[str, torch.Tensor]:
+    out = lce.token_logprobs(call.hidden, call.weight, call.targets, **_lce_kwargs(call))
+    return {"logprobs": out.logprobs, "entropy": out.entropy}
+
+
+def _lce_loss(call: Call, reduction: str) -> torch.Tensor:
+    return lce.linear_cross_entropy(
+        call.hidden, call.weight, call.targets, reduction=reduction, **_lce_kwargs(call)
+    )
+
+
+def _lce_kwargs(call: Call) -> dict:
+    return {
+        "ignore_index": call.ignore_index, "temperature": call.temperature,
+        "tp_group": call.tp_group, "vocab_start": call.vocab_start, "backend": call.backend,
+        "chunk_size": call.chunk_size,
+    }  # fmt: skip
+
+
+def lce_adapter(backends: tuple[str, ...] = BACKENDS) -> Adapter:
+    """lce itself; ``Call.backend`` picks the backend among ``backends``."""
+    caps = Capabilities(
+        temperature=True, tensor_parallel=True, chunk_size=True, backends=backends,
+        deterministic=True, validates_inputs=True,
+    )  # fmt: skip
+    return Adapter(
+        "lce", ("logprobs", "entropy", "loss"), _lce_tokens, _lce_loss, caps,
+        description=f"lce.token_logprobs / lce.linear_cross_entropy, backends {list(backends)}",
+    )  # fmt: skip
+
+
+def flat_loss_adapter(
+    name: str,
+    loss_2d: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, str], torch.Tensor],
+    **fields,
+) -> Adapter:
+    """An adapter for a loss taking 2-D ``(hidden [N, H], weight, targets [N], ignore_index,
+    reduction)``: hidden is cast to weight's dtype (as a linear layer does), 3-D inputs are
+    flattened, and log-probs come from ``-loss(reduction='none')``."""
+
+    def loss(call: Call, reduction: str) -> torch.Tensor:
+        hidden = call.hidden.to(call.weight.dtype).reshape(-1, call.hidden.shape[-1])
+        out = loss_2d(hidden, call.weight, call.targets.reshape(-1), call.ignore_index, reduction)
+        return out.view(call.targets.shape) if reduction == "none" else out
+
+    def tokens(call: Call) -> dict[str, torch.Tensor]:
+        return {"logprobs": -loss(call, "none")}
+
+    return Adapter(name, ("logprobs", "loss"), tokens, loss, **fields)
+
+
+def torch_adapter() -> Adapter:
+    """``torch.nn.functional.linear_cross_entropy`` (PyTorch >= 2.13), its reference path."""
+    if not hasattr(F, "linear_cross_entropy"):
+        raise AdapterError(f"torch {torch.__version__} has no F.linear_cross_entropy; need >= 2.13")
+
+    def loss_2d(hidden, weight, targets, ignore_index, reduction):
+        return F.linear_cross_entropy(
+            hidden, weight, targets, reduction=reduction, ignore_index=ignore_index
+        )
+
+    return flat_loss_adapter(
+        "torch", loss_2d, contract=NumericalContract(logits="input", outputs="input"),
+        description="torch.nn.functional.linear_cross_entropy (options=None)",
+        skip=(("torch_peer", "the torch peer is this implementation: it would judge itself"),),
+    )  # fmt: skip
+
+
+def _import(module: str, package: str) -> object:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise AdapterError(f"{package} is not installed ({exc}); `pip install {package}`") from exc
+
+
+def _need_cuda(name: str) -> None:
+    if not torch.cuda.is_available():
+        raise AdapterError(f"adapter {name!r} runs Triton kernels on CUDA; no CUDA device here")
+
+
+def liger_adapter() -> Adapter:
+    """Liger's fused linear cross-entropy (``liger_kernel``), CUDA only."""
+    functional = _import("liger_kernel.transformers.functional", "liger-kernel")
+    _need_cuda("liger")
+
+    def loss_2d(hidden, weight, targets, ignore_index, reduction):
+        return functional.liger_fused_linear_cross_entropy(
+            hidden, weight, targets, ignore_index=ignore_index, reduction=reduction
+        )
+
+    # Liger materializes logits chunk by chunk in the input dtype; its loss buffer is fp32.
+    return flat_loss_adapter(
+        "liger", loss_2d, contract=NumericalContract(logits="input", outputs="fp32"),
+        device="cuda",
+        description="liger_kernel.transformers.functional.liger_fused_linear_cross_entropy",
+    )  # fmt: skip
+
+
+def cce_adapter(filter_eps: float | str | None = "high") -> Adapter:
+    """Apple's cut-cross-entropy (``impl='cce'``), CUDA only. ``filter_eps`` is CCE's gradient
+    filter: its default ``"high"`` skips softmax entries below a threshold (an approximation by
+    design); ``None`` computes every entry."""
+    cce = _import("cut_cross_entropy", "cut-cross-entropy")
+    _need_cuda("cce")
+
+    def loss_2d(hidden, weight, targets, ignore_index, reduction):
+        return cce.linear_cross_entropy(
+            hidden, weight, targets, ignore_index=ignore_index, reduction=reduction,
+            filter_eps=filter_eps, impl="cce",
+        )  # fmt: skip
+
+    name = "cce" if filter_eps == "high" else "cce-exact"
+    call = f"cut_cross_entropy.linear_cross_entropy(impl='cce', filter_eps={filter_eps!r})"
+    # fp32 logits: CCE's kernels accumulate in fp32 (IEEE unless float32 matmul precision is
+    # set to "high", then TF32); its loss comes from fp32 log-sum-exp.
+    return flat_loss_adapter(name, loss_2d, device="cuda", description=call)
+
+
+BUILTIN: dict[str, Callable[[], Adapter]] = {
+    "lce": lce_adapter,
+    "lce-torch": partial(lce_adapter, ("torch",)),
+    "lce-triton": partial(lce_adapter, ("triton",)),
+    "torch": torch_adapter,
+    "liger": liger_adapter,
+    "cce": cce_adapter,
+    "cce-exact": partial(cce_adapter, None),
+}

@@ -1,0 +1,177 @@
+"""The adapter protocol: what an implementation under test computes, supports and promises.
+
+An `Adapter` wraps one linear-cross-entropy implementation. The harness builds every case from a
+`verify.spec.CaseSpec`, hands the implementation a `Call`, and judges what comes back against the
+float64 reference with the tolerance entries its `NumericalContract` selects. Features the
+`Capabilities` do not claim are never generated for it; `verify.adapters.filtering.not_tested`
+lists them for the report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from verify.spec import BACKENDS, DTYPE_PAIRS, REDUCTIONS
+
+OUTPUTS = ("logprobs", "entropy", "loss")
+LOGITS = ("fp32", "input")
+OUTPUT_DTYPES = ("fp32", "input")
+# Every pair with a tolerances.yaml entry except fp64 (few kernels take fp64; opt in with it).
+DEFAULT_PAIRS = tuple(p for p in DTYPE_PAIRS if p != ("fp64", "fp64"))
+
+
+class AdapterError(ValueError):
+    """An adapter is malformed or cannot be loaded; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of the implementation, for this TP rank.
+
+    ``hidden``: ``[T, H]`` or ``[B, T, H]`` (possibly non-contiguous, possibly of another dtype
+    than ``weight``: cast it like a linear layer would). ``weight``: this rank's rows
+    ``[V_local, H]``. ``targets``: global ids shaped like ``hidden`` without its last dim;
+    ``ignore_index`` marks ignored tokens. ``tp_group``/``vocab_start``: vocab parallelism (None
+    without TP; ``vocab_start`` None means ``rank * V_local``). ``backend``/``chunk_size``: the
+    spec's values, for implementations that claim them (`Capabilities.backends`, ``chunk_size``).
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    ignore_index: int = -100
+    temperature: float = 1.0
+    tp_group: dist.ProcessGroup | None = None
+    vocab_start: int | None = None
+    backend: str = "torch"
+    chunk_size: int | None = None
+
+
+# token_outputs(call) -> {"logprobs": [..targets shape], "entropy": [..] (if claimed)}
+TokenFn = Callable[[Call], Mapping[str, torch.Tensor]]
+# loss(call, reduction) -> the loss; reduction in Capabilities.reductions
+LossFn = Callable[[Call, str], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Which features an implementation supports; everything else is not generated for it.
+
+    ``reductions``: loss reductions (``mean`` is over non-ignored tokens). ``ignore_index``:
+    honours ``Call.ignore_index`` (ignored tokens give 0 outputs and 0 gradients).
+    ``temperature``: honours ``Call.temperature`` (logits divided by it). ``tensor_parallel``:
+    works on a vocab shard with ``Call.tp_group``. ``dtype_pairs``: ``(hidden, weight)`` dtype
+    names, mixed pairs included. ``batched``: accepts 3-D hidden. ``strided``: accepts
+    non-contiguous hidden/weight. ``empty``: accepts T = 0. ``frozen``: gradients when only one of
+    hidden/weight requires grad, and no-grad calls. ``tied``: the weight may also be an embedding
+    (gradients add up through autograd). ``chunk_size``: honours ``Call.chunk_size`` (the result
+    must not depend on it). ``backends``: values of ``Call.backend`` it distinguishes.
+    ``deterministic``: claims bit-identical reruns. ``validates_inputs``: raises on invalid input
+    (target out of range, temperature <= 0, shape mismatch) naming the argument.
+    """
+
+    reductions: tuple[str, ...] = REDUCTIONS
+    ignore_index: bool = True
+    temperature: bool = False
+    tensor_parallel: bool = False
+    dtype_pairs: tuple[tuple[str, str], ...] = DEFAULT_PAIRS
+    batched: bool = True
+    strided: bool = True
+    empty: bool = True
+    frozen: bool = True
+    tied: bool = True
+    chunk_size: bool = False
+    backends: tuple[str, ...] = ("torch",)
+    deterministic: bool = False
+    validates_inputs: bool = False
+
+    def __post_init__(self) -> None:
+        _subset("reductions", self.reductions, REDUCTIONS)
+        _subset("backends", self.backends, BACKENDS)
+        _subset("dtype_pairs", self.dtype_pairs, DTYPE_PAIRS)
+        if not self.reductions or not self.dtype_pairs or not self.backends:
+            raise AdapterError("reductions, dtype_pairs and backends each need at least one value")
+
+
+@dataclass(frozen=True)
+class NumericalContract:
+    """How precisely the implementation computes, which selects its tolerance entries.
+
+    ``logits``: ``"fp32"`` (fp32 accumulation, logits never rounded to the input dtype, like lce)
+    or ``"input"`` (logits rounded to the input dtype before an fp32 softmax, the stock path).
+    ``outputs``: dtype of logprobs/entropy/loss: ``"fp32"`` (lce's contract) or ``"input"`` (the
+    input dtype; the harness upcasts them exactly, so their rounding is still measured, and the
+    contract property's dtype clause does not apply).
+    """
+
+    logits: str = "fp32"
+    outputs: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.logits not in LOGITS:
+            raise AdapterError(f"contract.logits must be one of {LOGITS}, got {self.logits!r}")
+        if self.outputs not in OUTPUT_DTYPES:
+            raise AdapterError(
+                f"contract.outputs must be one of {OUTPUT_DTYPES}, got {self.outputs!r}"
+            )
+
+    def tolerance_key(self, dtype_key: str) -> str:
+        """The tolerances.yaml dtype key judging this contract at the spec's ``dtype_key``.
+
+        Both contracts map to the spec's key: the low-precision entries were set for a pipeline
+        that rounds logits to the input dtype (the baseline B) and bound an fp32-logits kernel
+        from above; tolerances.yaml has no tighter per-contract entries yet.
+        """
+        return dtype_key
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One implementation under test.
+
+    ``name``: short label for reports. ``token_outputs`` and ``loss``: how it is called (either
+    may be None; at least one is given). ``outputs``: which of ``logprobs``, ``entropy``, ``loss``
+    it computes (``entropy`` needs ``token_outputs``). ``device``: where its inputs live
+    (``"cpu"``, ``"cuda"``). ``ref``: how another process finds it (a registry name or
+    ``module:function``); `verify.adapters.resolve` fills it in.
+    """
+
+    name: str
+    outputs: tuple[str, ...]
+    token_outputs: TokenFn | None = None
+    loss: LossFn | None = None
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    contract: NumericalContract = field(default_factory=NumericalContract)
+    device: str = "cpu"
+    description: str = ""
+    ref: str = ""
+    # Properties that say nothing about this implementation, with the reason (for the report).
+    skip: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        _subset("outputs", self.outputs, OUTPUTS)
+        token = {"logprobs", "entropy"} & set(self.outputs)
+        if token and self.token_outputs is None:
+            raise AdapterError(
+                f"{self.name}: outputs {sorted(token)} need a token_outputs callable"
+            )
+        if "logprobs" not in self.outputs and self.token_outputs is not None:
+            raise AdapterError(f"{self.name}: token_outputs must return at least 'logprobs'")
+        if ("loss" in self.outputs) != (self.loss is not None):
+            raise AdapterError(f"{self.name}: declare 'loss' in outputs exactly when loss is given")
+        if not self.outputs:
+            raise AdapterError(f"{self.name}: outputs is empty; declare what it computes")
+
+    def label(self, backend: str) -> str:
+        """``name``, with the spec's backend when the implementation has several."""
+        return f"{self.name}-{backend}" if len(self.capabilities.backends) > 1 else self.name
+
+
+def _subset(name: str, values: tuple, allowed: tuple) -> None:
+    unknown = [v for v in values if v not in allowed]
+    if unknown:
+        raise AdapterError(f"{name} has unknown value(s) {unknown}; allowed: {allowed}")

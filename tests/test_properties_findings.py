@@ -1,5 +1,5 @@
-"""Open findings of the property engine in lce's core, as minimal failing cases (strict xfail:
-each turns into an unexpected pass, and must be un-marked, once lce is fixed)."""
+"""Findings of the property engine in lce's core, as minimal cases. Open ones are strict xfails
+(an unexpected pass means lce was fixed: un-mark it); fixed ones stay as regression tests."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def test_fp64_loss_keeps_fp64() -> None:
     assert not failed, "\n".join(failed)
 
 
-@pytest.mark.xfail(strict=True, reason="lse = max + log(sumexp) loses eps*|max| on peaked rows")
 def test_peaked_row_gradient_as_precise_as_stock_path() -> None:
-    # One fp32 token whose target leads by 10: p = exp(z - lse) inherits lse's rounding at |max|,
-    # so the gradients' error exceeds the ratio tier and the envelope (stock: exp(z - max) / s).
+    # Found by the engine, fixed in lce: one fp32 token whose target leads by 10; with
+    # lse = max + log(sumexp) rounded at |max|, p = exp(z - lse) put the gradients' error past the
+    # ratio tier and the envelope (the stock path computes exp(z - max) / s).
     spec = CaseSpec(tokens=1, vocab=2, regime="peaked", tp=1)
     failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
     assert not failed, "\n".join(failed)

@@ -22,7 +22,7 @@ def test_every_mutant_is_killed(pool) -> None:
     rows = mutation_table(pool=pool, max_examples=MAX_EXAMPLES, shrink=False)
     table = format_table(rows)
     assert len(rows) == len(MUTANTS) >= 12, table
-    assert all(r.killed and r.clean_passes for r in rows), table
+    assert all(r.counts for r in rows), table
 
 
 def test_unknown_mutant_is_a_clear_error() -> None:

@@ -232,6 +232,8 @@ def _upstream(
         "expanded": lambda x: torch.full_like(x, 0.6),
         "zero_row0": lambda x: torch.cat([torch.zeros_like(x[:1]), x[1:]]),
     }.get(spec.upstream, lambda x: x)
+    # Multiples of 2^-8: LINEARITY_A * a + b is then exact in fp32, so linearity is the kernel's.
+    draws = torch.round(draws * 256) / 256
     a = (pattern(draws[0]), pattern(draws[1]), _loss_upstream(spec, draws[0], pattern))
     b = (draws[2], draws[3], draws[2] if spec.reduction == "none" else torch.tensor(0.4))
     if spec.transform == "upstream_b":

@@ -2,21 +2,26 @@
 
 `check_impl` runs the engine's `run_property` per property on `specs_for(adapter)`, either once
 under the profile (``minutes=None``: the ``ci`` way, bounded examples) or in seeded batches until a
-time budget is spent (the ``nightly`` way). Each shrunk failure becomes a failure artifact (the
-engine's format, plus ``impl``) that `verify.adapters.replay` re-runs.
+time budget is spent (the ``nightly`` way). In a timed search a failure does not end the property:
+later batches leave out the failure's trigger (`trigger`), so one cheap failure cannot hide the
+others. Each shrunk failure becomes a failure artifact (the engine's format plus ``impl``) that
+`verify.adapters.replay_impl` re-runs.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from hypothesis.errors import Unsatisfiable
 
 from verify import artifacts
 from verify.adapters.filtering import (
     Untested,
+    coerce,
     invalid_specs_for,
     not_tested,
     properties_for,
@@ -25,28 +30,46 @@ from verify.adapters.filtering import (
 from verify.adapters.protocol import Adapter
 from verify.adapters.registry import resolve
 from verify.adapters.runner import adapter_runner
-from verify.engine import SearchResult, run_property
+from verify.engine import run_property
 from verify.properties.verdict import PropertyVerdict
 from verify.spec import CaseSpec
 
-BATCH_EXAMPLES = 20  # examples per seeded batch of a time-bounded search
+BATCH_EXAMPLES = 20  # examples per seeded batch of a timed search
+MAX_FAILURES = 3  # distinct failures a timed search collects per property
+# Spec fields whose non-default value in a shrunk failure marks what triggered it.
+TRIGGER_FIELDS = tuple(
+    f.name
+    for f in fields(CaseSpec)
+    if f.name not in ("tokens", "hidden_size", "vocab", "seed", "scale", "offset", "chunk_size")
+)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One shrunk failure: its failing verdicts and, when saved, the artifact path."""
+
+    verdicts: list[PropertyVerdict]
+    artifact: str | None = None
+
+    @property
+    def spec(self) -> CaseSpec:
+        return CaseSpec.from_json(self.verdicts[0].spec)
 
 
 @dataclass
 class PropertyOutcome:
-    """One property's search: examples, time, worst passing ratios, and its failure if any."""
+    """One property's search: examples, time, worst passing ratios, and its failures."""
 
     property: str
     examples: int = 0
     seconds: float = 0.0
     known: int = 0
     worst_ratio: dict[str, float] = field(default_factory=dict)
-    failure: list[PropertyVerdict] = field(default_factory=list)
-    artifact: str | None = None
+    failures: list[Failure] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return not self.failure
+        return not self.failures
 
 
 @dataclass
@@ -64,7 +87,12 @@ class ImplReport:
 
     def failure_lines(self) -> list[str]:
         """One line per failing verdict, with its artifact path."""
-        return [f"{v.line()} artifact={o.artifact}" for o in self.outcomes for v in o.failure]
+        return [
+            f"{v.line()} artifact={f.artifact}"
+            for o in self.outcomes
+            for f in o.failures
+            for v in f.verdicts
+        ]
 
 
 def check_impl(
@@ -96,53 +124,73 @@ def check_impl(
         strategy = invalid_specs_for(adapter) if name == "status" else specs_for(adapter, tp_sizes)
         if spec_filter is not None:
             strategy = strategy.filter(spec_filter)
-        share = None
-        if deadline is not None:
-            share = max(deadline - time.monotonic(), 0.0) / (len(names) - index)
-        outcome = _search(name, strategy, runner, profile, max_examples, share, seed)
-        if outcome.failure and failures_dir is not None:
-            outcome.artifact = str(save_failure(adapter, outcome, failures_dir))
+        outcome = PropertyOutcome(name)
+        began = time.monotonic()
+        if deadline is None:
+            _batch(outcome, name, strategy, runner, profile, max_examples, None)
+        else:
+            share = max(deadline - began, 0.0) / (len(names) - index)
+            _timed(outcome, adapter, name, strategy, runner, profile, max_examples, share, seed)
+        outcome.seconds = time.monotonic() - began
+        if failures_dir is not None:
+            outcome.failures = [
+                Failure(f.verdicts, str(save_failure(adapter, name, f, failures_dir)))
+                for f in outcome.failures
+            ]
         outcomes.append(outcome)
     return ImplReport(adapter, profile, outcomes, not_tested(adapter, tp_sizes))
 
 
-def _search(name, strategy, runner, profile, max_examples, share, seed) -> PropertyOutcome:
-    outcome = PropertyOutcome(name)
+def _timed(outcome, adapter, name, strategy, runner, profile, max_examples, share, seed) -> None:
+    """Seeded batches (at least one) until ``share`` seconds are spent or `MAX_FAILURES`
+    distinct failures are found."""
     began = time.monotonic()
-    batch = 0
-    while True:
-        if share is None:
-            result = run_property(
-                name, strategy=strategy, profile=profile, runner=runner, max_examples=max_examples
-            )
-        else:
-            result = run_property(
-                name, strategy=strategy, profile=profile, runner=runner,
-                max_examples=max_examples or BATCH_EXAMPLES, seed=seed + batch,
-            )  # fmt: skip
-        _merge(outcome, result)
-        batch += 1
-        if share is None or outcome.failure or time.monotonic() - began >= share:
-            break
-    outcome.seconds = time.monotonic() - began
-    return outcome
+    while len(outcome.failures) < MAX_FAILURES:
+        found = [trigger(adapter, f.spec) for f in outcome.failures]
+        if any(not t for t in found):
+            return  # a failure with no trigger to leave out: every later batch would repeat it
+        search = strategy.filter(lambda s, found=found: not any(_has(s, t) for t in found))
+        try:
+            _batch(outcome, name, search, runner, profile, max_examples or BATCH_EXAMPLES, seed)
+        except Unsatisfiable:
+            return  # the triggers left out every spec the strategy can draw
+        seed += 1
+        if time.monotonic() - began >= share:
+            return
 
 
-def _merge(outcome: PropertyOutcome, result: SearchResult) -> None:
+def _batch(outcome, name, strategy, runner, profile, max_examples, seed) -> None:
+    result = run_property(
+        name, strategy=strategy, profile=profile, runner=runner,
+        max_examples=max_examples, seed=seed,
+    )  # fmt: skip
     outcome.examples += result.examples
     outcome.known += result.known
-    outcome.failure = result.failure
+    if result.failure:
+        outcome.failures.append(Failure(result.failure))
     for key, ratio in result.worst_ratio.items():
         outcome.worst_ratio[key] = max(outcome.worst_ratio.get(key, 0.0), ratio)
 
 
-def save_failure(adapter: Adapter, outcome: PropertyOutcome, failures_dir: Path | str) -> Path:
-    """Write ``outcome``'s shrunk failure as an artifact naming the implementation (``impl``)."""
-    spec = CaseSpec.from_json(outcome.failure[0].spec)
-    record = artifacts.make_record(
-        spec, outcome.property, outcome.failure, shrunk=True,
-        device=adapter.device, examples=outcome.examples,
-    )  # fmt: skip
+def trigger(adapter: Adapter, spec: CaseSpec) -> dict[str, Any]:
+    """The fields of a shrunk ``spec`` that differ from the simplest spec the adapter gets:
+    shrinking moves every field it can back to its default, so these are what the failure needs."""
+    simplest = coerce(adapter, CaseSpec())
+    return {
+        name: getattr(spec, name)
+        for name in TRIGGER_FIELDS
+        if getattr(spec, name) != getattr(simplest, name)
+    }
+
+
+def _has(spec: CaseSpec, found: dict[str, Any]) -> bool:
+    return all(getattr(spec, name) == value for name, value in found.items())
+
+
+def save_failure(adapter: Adapter, prop: str, failure: Failure, failures_dir: Path | str) -> Path:
+    """Write a shrunk failure as an artifact naming the implementation (``impl``)."""
+    spec = failure.spec
+    record = artifacts.make_record(spec, prop, failure.verdicts, shrunk=True, device=adapter.device)
     record["backend"] = adapter.label(spec.backend)
     record["impl"] = adapter.ref or adapter.name
     return artifacts.write(record, failures_dir)

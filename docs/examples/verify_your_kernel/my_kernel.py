@@ -24,7 +24,9 @@ def token_logprobs_entropy(
     safe = torch.where(valid, targets, 0)
     logprobs, entropy = [], []
     for rows, ids, keep in zip(
-        hidden.split(chunk_tokens), safe.split(chunk_tokens), valid.split(chunk_tokens),
+        hidden.split(chunk_tokens),
+        safe.split(chunk_tokens),
+        valid.split(chunk_tokens),
         strict=True,
     ):
         logits = (rows.to(weight.dtype) @ weight.T).float() / temperature

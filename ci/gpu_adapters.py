@@ -79,10 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(to_markdown(report))
         state = "passed" if report.passed else "FAILED"
         print(f"{ref}: {state} in {time.monotonic() - began:.0f} s", flush=True)
-    (args.out / "adapters.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (args.out / "adapters.md").write_text("\n".join(sections))
+        _write(args.out, summary, sections)  # after each one: a killed run keeps what it found
+    _write(args.out, summary, sections)
     print(f"wrote {args.out / 'adapters.md'} and {args.out / 'adapters.json'}")
     return 0
+
+
+def _write(out: Path, summary: dict, sections: list[str]) -> None:
+    (out / "adapters.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "adapters.md").write_text("\n".join(sections))
 
 
 if __name__ == "__main__":

@@ -137,3 +137,29 @@ def test_mutants_prints_the_kill_table(tmp_path, capsys):
     assert MUTANT in out and "killed 1/1" in out and "shrunk spec {" in out
     (saved,) = tmp_path.glob("*.json")
     assert artifacts.load(saved).record["mutant"] == MUTANT
+
+
+def test_run_stops_at_its_budget(tmp_path, capsys):
+    out = tmp_path / "report"
+    argv = [
+        "run",
+        "--backends",
+        "torch,triton",
+        "--tp",
+        "1",
+        "--budget-s",
+        "1.5",
+        "--properties",
+        "differential",
+        "--max-examples",
+        "500",
+        "--out",
+        str(out),
+    ]
+    code = main(argv)  # how many examples fit decides whether an open lce finding is reached
+    report = json.loads((out / "report.json").read_text())
+    assert code == (EXIT_PASS if report["passed"] else EXIT_FAIL)
+    assert report["budget_exhausted"] and report["wall_s"] < 30
+    statuses = [s["status"] for s in report["slices"]]
+    assert statuses[0] == "budget" and statuses[1] in ("budget", "skipped (budget)")
+    assert "(exhausted)" in (out / "report.md").read_text()

@@ -17,6 +17,8 @@ from verify.mutants import MUTANTS
 from verify.progress import Progress
 from verify.replay import replay
 
+# A mutant whose planting changed may need a new case: the self-test finds and saves them.
+REGENERATE = "regenerate with `python -m verify mutants --save-corpus verify/corpus`"
 MUTANT = "grad_output_row0"  # only grad_output[0] applied to every row: differential catches it
 
 
@@ -91,9 +93,10 @@ def test_regression_corpus_passes_and_still_catches_its_bugs(pool):
         artifact = artifacts.load(path)
         use = pool if artifact.spec.tp > 1 else None
         fixed = replay(artifact, pool=use, mutant=None, times=1)
-        assert fixed.passed, f"{path.name} fails on the current code"
+        assert fixed.passed, f"{path.name} fails on the current code: fix it (or the case)"
         mutant = artifact.record.get("mutant")
         if mutant:
             planted.add(mutant)
-            assert not replay(artifact, pool=use, times=1).passed, f"{path.name}: {mutant} escapes"
+            caught = not replay(artifact, pool=use, times=1).passed
+            assert caught, f"{path.name} no longer catches {mutant}: {REGENERATE}"
     assert planted <= set(MUTANTS) and len(planted) >= 10, f"corpus covers {sorted(planted)}"

@@ -1,8 +1,9 @@
 """A campaign: a Hypothesis settings profile run over backends x TP degrees within a time budget.
 
-Each backend x TP slice is one search over the properties (TP > 1 through one shared worker pool);
+Each backend x TP slice is a search over the properties (TP > 1 through one shared worker pool);
 every example is tallied for the report; a failure is shrunk by Hypothesis, then saved as an
-artifact. A rank that dies or hangs ends its slice with an infrastructure error (its spec saved) and
+artifact, and the slice searches again with the next seed while its share of the budget lasts.
+A rank that dies or hangs ends its slice with an infrastructure error (its spec saved) and
 the pool is rebuilt for the next slice. The report (JSON, Markdown, PNG) goes to ``out_dir``.
 """
 
@@ -46,6 +47,10 @@ class CampaignConfig:
     max_examples: int | None = None
 
     @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    @property
     def failures_path(self) -> Path:
         return self.failures_dir or self.out_dir / "failures"
 
@@ -65,6 +70,12 @@ class CampaignConfig:
         for name in self.properties:
             if name not in PROPERTIES:
                 raise ValueError(f"--properties: unknown {name!r}; known: {', '.join(PROPERTIES)}")
+
+
+# After a failure a slice searches again (next seed) while its share of the budget lasts, so one
+# early bug does not end the exploration; at most this many restarts per search, and none after
+# a restart finds a failure of a class (properties, dtype, outputs) the slice already saved.
+RESTARTS = 2
 
 
 @dataclass
@@ -120,7 +131,8 @@ def run_campaign(
 ) -> CampaignResult:
     """Run each backend x TP slice of ``config`` and write the report; a failure does not raise.
 
-    TP > 1 slices use ``pool`` when given (left open), else a pool made and closed here.
+    TP > 1 slices (every slice on CUDA: a rank owns a GPU) use ``pool`` when given (left open),
+    else a pool made and closed here.
     """
     config.validate()
     own_pool = pool is None
@@ -137,7 +149,7 @@ def run_campaign(
                 exhausted = True
                 tally.slices.append(_slice_row(backend, tp, "skipped (budget)", 0, [], 0.0))
                 continue
-            if tp > 1 and pool is None:
+            if (tp > 1 or config.on_gpu) and pool is None:
                 pool = WorkerPool(world_size=max(config.tp_sizes), device=config.device)
             share = remaining / (len(slices) - index)  # time left over flows to later slices
             progress.start_slice(backend, tp)
@@ -180,10 +192,14 @@ class _Slice:
         # Searching stops at the slice's share of the budget; shrinking may go on to the end of
         # the campaign's budget (a found failure is worth more than later slices' examples).
         self.deadlines = (math.inf, math.inf)
+        self.signatures: set[tuple] = set()  # (properties, dtype, outputs) of saved failures
 
     def run(self, pool: WorkerPool | None, with_status: bool) -> None:
         """The status search (invalid inputs, cheap) first when asked, then the valid cases."""
-        runner = _GuardedRunner(pool if self.tp > 1 else None, self.config.mutant)
+        on_pool = self.tp > 1 or self.config.on_gpu  # CPU TP=1 runs in this process
+        runner = _GuardedRunner(
+            pool if on_pool else None, self.config.mutant, pool_for_tp1=self.config.on_gpu
+        )
         valid = [n for n in self.names if n != "status"]
         searches = []
         if with_status and "status" in self.names:
@@ -192,14 +208,20 @@ class _Slice:
             searches.append((valid, case_specs(backends=(self.backend,), tp_sizes=(self.tp,))))
         began = time.monotonic()
         for names, strategy in searches:
-            self._search(names, strategy.map(self._draw), runner)
+            for attempt in range(1 + RESTARTS):
+                seed = self.config.seed if attempt == 0 else (self.config.seed or 0) + attempt
+                found = self._search(names, strategy.map(self._draw), runner, seed)
+                if not found or self.status != "done" or time.monotonic() > self.deadlines[0]:
+                    break
             if self.status != "done":
                 break
         self.seconds = time.monotonic() - began
 
-    def _search(self, names: list[str], strategy: Any, runner: Runner) -> None:
-        """One Hypothesis search; its shrunk failure (or minimal raising case) is saved."""
+    def _search(self, names: list[str], strategy: Any, runner: Runner, seed: int | None) -> bool:
+        """One Hypothesis search; its shrunk failure (or minimal raising case) is saved.
+        Returns whether it found a failure."""
         self.failed, self.current, self.latest_failure = False, None, None
+        saved = len(self.artifacts)
         try:
             result = search(
                 names,
@@ -207,7 +229,7 @@ class _Slice:
                 profile=self.config.profile,
                 runner=runner,
                 max_examples=self.config.max_examples,
-                seed=self.config.seed,
+                seed=seed,
                 on_example=self._on_example,
             )
             if not result.passed:
@@ -227,6 +249,7 @@ class _Slice:
         except Exception as exc:  # the case raised; Hypothesis shrank it to `self.current`
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             self._save(self.current, names, [], f"{type(exc).__name__}: {first_line}", None)
+        return len(self.artifacts) > saved
 
     def _draw(self, spec: CaseSpec) -> CaseSpec:
         self.current = spec
@@ -272,6 +295,10 @@ class _Slice:
             mutant=self.config.mutant,
             examples=at,
         )
+        signature = (record["property"], spec.dtype_key, *sorted(v.output for v in failing))
+        if signature in self.signatures:  # a restarted search found the same failure class
+            return
+        self.signatures.add(signature)
         path = artifacts.write(record, self.config.failures_path)
         self.artifacts.append(path)
         worst = max(failing, key=lambda v: report.order(v.ratio), default=None)

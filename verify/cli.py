@@ -4,9 +4,10 @@ corpus, run the mutation self-test. Exit codes: 0 passed, 1 a check failed, 2 ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"  # the regression corpus (verify.corpus)
@@ -25,9 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     _interpret_triton_on_cpu()
-    _one_bug_per_search()
     try:
-        return args.handler(args)
+        with _one_bug_per_search():
+            return args.handler(args)
     except UsageError as exc:
         print(f"lce-verify {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -246,19 +247,22 @@ def _replay_all(loaded, args, plans: Callable, times: int, annotate: bool) -> in
     (``annotate``: mark outcomes other than the expected one). 0 when all went as expected."""
     from verify.replay import replay, summary_lines
 
+    for artifact in loaded:
+        _check_override(artifact, args)
     tps = [args.tp or a.spec.tp for a in loaded]
+    gpu = args.device == "cuda"
     ok, runs, unexpected = True, 0, 0
     with _pool_for(max(tps), args.device) as pool:
         for artifact, tp in zip(loaded, tps, strict=True):
             for mutant, must_pass in plans(artifact):
-                _check_override(artifact, args)
                 result = replay(
                     artifact,
                     backend=args.backend,
                     tp=args.tp,
-                    pool=pool if tp > 1 else None,
+                    pool=pool if tp > 1 or gpu else None,
                     mutant=mutant,
                     times=times,
+                    pool_for_tp1=gpu,
                 )
                 good = result.passed == must_pass and result.identical
                 ok &= good
@@ -281,11 +285,12 @@ def _check_override(artifact, args: argparse.Namespace) -> None:
 
 
 def _pool_for(tp: int, device: str):
-    from contextlib import nullcontext
-
+    """Workers for TP degrees up to ``tp`` (on CUDA always: every rank owns a GPU)."""
     from verify.distributed import WorkerPool
 
-    return WorkerPool(world_size=tp, device=device) if tp > 1 else nullcontext(None)
+    if tp > 1 or device == "cuda":
+        return WorkerPool(world_size=tp, device=device)
+    return contextlib.nullcontext(None)
 
 
 def _load_all(files: Sequence[Path], artifacts) -> list:
@@ -309,13 +314,20 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected integers like 1,2,4, got {text!r}") from None
 
 
-def _one_bug_per_search() -> None:
-    """Shrink and report one failure per search: the profiles inherit this process's default
-    settings, and with several distinct bugs Hypothesis would shrink each and raise a group."""
+@contextlib.contextmanager
+def _one_bug_per_search() -> Iterator[None]:
+    """Shrink and report one failure per search: the engine's profiles inherit the default
+    settings, and with several distinct bugs Hypothesis would shrink each and raise a group.
+    The previous default profile is restored afterwards (main() also runs inside pytest)."""
     from hypothesis import settings
 
+    previous = settings.get_current_profile_name()
     settings.register_profile("lce-verify-cli", report_multiple_bugs=False)
     settings.load_profile("lce-verify-cli")
+    try:
+        yield
+    finally:
+        settings.load_profile(previous)
 
 
 def _interpret_triton_on_cpu() -> None:

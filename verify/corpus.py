@@ -23,16 +23,22 @@ def plans(artifact: artifacts.Artifact) -> list[tuple[str | None, bool]]:
 
 
 def save_kill(row: Any, pool: Any | None, directory: Path, device: str = "cpu") -> Path | None:
-    """Save a `verify.selftest.KillRow`'s shrunk spec as a corpus entry (None: not killed, or
-    the spec fails without the mutant too, so it would not pass as a corpus entry).
+    """Save a `verify.selftest.KillRow`'s shrunk spec as a corpus entry for its killing property.
 
-    The spec is re-checked with the mutant planted, so the entry holds the verdicts it fails with.
+    None when the mutant was not killed, when that property fails the spec without the mutant
+    too (the entry would not pass), or passes it with the mutant (the kill needed other
+    properties). The entry holds the verdicts it fails with, mutant planted.
     """
-    if not (row.killed and row.clean_passes and row.shrunk_spec):
+    if not (row.killed and row.shrunk_spec and row.property):
         return None
     spec = CaseSpec.from_json(row.shrunk_spec)
-    verdicts = check_case(spec, properties=[row.property], runner=Runner(pool, row.mutant))
+    names = [row.property]
+    if any(v.failed for v in check_case(spec, properties=names, runner=Runner(pool))):
+        return None
+    verdicts = check_case(spec, properties=names, runner=Runner(pool, row.mutant))
     failing = [v for v in verdicts if v.failed]
+    if not failing:  # the kill does not reproduce with this property alone
+        return None
     record = artifacts.make_record(
         spec,
         row.property,

@@ -82,8 +82,8 @@ class ReplayResult:
 class _RecordingRunner(Runner):
     """A `Runner` that fingerprints every run it returns, in call order (a fresh one per replay)."""
 
-    def __init__(self, pool: Any | None, mutant: str | None) -> None:
-        super().__init__(pool, mutant)
+    def __init__(self, pool: Any | None, mutant: str | None, pool_for_tp1: bool = False) -> None:
+        super().__init__(pool, mutant, pool_for_tp1=pool_for_tp1)
         self.digest = hashlib.sha256()
 
     def run(self, spec: CaseSpec, *, fresh: bool = False) -> KernelRun:
@@ -102,11 +102,12 @@ def replay(
     pool: Any | None = None,
     mutant: str | object | None = KEEP,
     times: int = 2,
+    pool_for_tp1: bool = False,
 ) -> ReplayResult:
     """Re-run ``artifact``'s properties on its spec ``times`` times (TP > 1 needs ``pool``).
 
     ``backend``/``tp`` override the spec's; ``mutant`` defaults to the artifact's planted bug
-    (``None`` replays on the code as it is).
+    (``None`` replays on the code as it is); ``pool_for_tp1`` runs TP = 1 on the pool too (GPU).
     """
     if times < 1:
         raise ValueError(f"times must be >= 1, got {times}")
@@ -117,7 +118,7 @@ def replay(
     names = artifact.property_name.split(",")
     runs = []
     for _ in range(times):
-        runner = _RecordingRunner(pool, planted)  # type: ignore[arg-type]
+        runner = _RecordingRunner(pool, planted, pool_for_tp1)  # type: ignore[arg-type]
         verdicts = check_case(spec, properties=names, runner=runner)
         runs.append(RunDigest([verdict_record(v) for v in verdicts], runner.digest.hexdigest()))
     return ReplayResult(artifact, spec, planted, runs, reference_sha256(spec))  # type: ignore[arg-type]

@@ -32,3 +32,13 @@ def test_peaked_row_gradient_as_precise_as_stock_path() -> None:
     spec = CaseSpec(tokens=1, vocab=2, regime="peaked", tp=1)
     failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.xfail(strict=True, reason="peaked row, entropy + logprob upstream: 50x stock error")
+def test_peaked_row_entropy_gradient_as_precise_as_stock_path() -> None:
+    # The soak's shrunk spec: fp32, T=1, V=2, target leads by 10, upstream ones on logprob and
+    # entropy: grad_hidden error 1.1e-8 vs the stock path's 1e-10 (ratio tier, 50x; the envelope
+    # passes). Logprob-only upstream passes, so the entropy term of d_logits loses the precision.
+    spec = CaseSpec(tokens=1, vocab=2, regime="peaked", upstream="ones")
+    failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
+    assert not failed, "\n".join(failed)

@@ -73,10 +73,31 @@ def tolerance_check(
 ) -> PropertyVerdict:
     """Tiers 1-2 of tolerances.yaml: ``kernel`` vs float64 ``ref``; ``base`` is B's value."""
     verdict = from_compare(prop, spec, compare(output, kernel, ref, base, tol))
-    if verdict.passed or verdict.tier != "ratio":
+    if verdict.passed or base is None or verdict.tier not in ("ratio", "envelope"):
         return verdict
-    envelope_ok = compare(output, kernel, ref, None, tol).passed
-    return replace(verdict, known=known.ratio_tier_noise(verdict, envelope_ok))
+    envelope = compare(output, kernel, ref, None, tol)
+    if verdict.tier == "ratio":
+        return replace(verdict, known=known.ratio_tier_noise(verdict, envelope.passed))
+    base_envelope = compare(output, base, ref, None, tol)
+    ratio_ok = _ratio_tier_ok(kernel, ref, base, tol)
+    tag = known.envelope_shared_with_baseline(envelope.ratio, base_envelope.ratio, ratio_ok)
+    return replace(verdict, known=tag)
+
+
+def _ratio_tier_ok(
+    kernel: torch.Tensor, ref: torch.Tensor, base: torch.Tensor, tol: Tolerance
+) -> bool:
+    """Tier 1 of `verify.compare.compare` alone (max and mean of |K - R| vs alpha |B - R|)."""
+    k, r, b = (t.detach().to(torch.float64).reshape(-1) for t in (kernel, ref, base))
+    finite = torch.isfinite(r)
+    k, r, b = k[finite], r[finite], b[finite]
+    if r.numel() == 0:
+        return True
+    floor = tol.floor * r.abs().max().item()
+    err, base_err = (k - r).abs(), (b - r).abs()
+    return all(
+        f(err).item() <= tol.alpha * f(base_err).item() + floor for f in (torch.max, torch.mean)
+    )
 
 
 def pair_check(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -37,6 +38,7 @@ def test_no_command_prints_help_and_fails(capsys):
         (["run", "--tp", "3"], "--tp: TP degree must be one of"),
         (["run", "--budget-s", "0"], "--budget-s must be > 0"),
         (["run", "--properties", "nope"], "--properties: unknown 'nope'"),
+        (["run", "--dtypes", "fp8"], "--dtypes: unknown 'fp8'; choose from fp32, bf16"),
         (["replay", "missing.json"], "missing.json: no such file"),
         (["replay", "--times", "0", "x.json"], "--times must be >= 1"),
         (["mutants", "--only", "nope"], "--only: unknown mutant(s) ['nope']"),
@@ -105,25 +107,17 @@ def test_corpus_checks_the_fix_holds_and_the_bug_is_caught(planted, capsys):
 
 def test_run_writes_a_readable_report(tmp_path, capsys):
     out = tmp_path / "report"
-    argv = [
-        "run",
-        "--backends",
-        "torch",
-        "--tp",
-        "1",
-        "--max-examples",
-        "4",
-        "--properties",
-        "differential,contract",
-        "--out",
-        str(out),
-    ]
+    argv = shlex.split("run --backends torch --tp 1 --max-examples 4 --dtypes fp32,bf16")
+    argv += ["--properties", "differential,contract", "--out", str(out)]
     assert main(argv) == EXIT_PASS
     assert "ci campaign: PASSED" in capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
     assert report["schema"] == "lce-campaign-report" and report["passed"]
     assert report["examples"] >= 4 and report["slices"][0]["status"] == "done"
     assert {c["property"] for c in report["counts"]} == {"differential", "contract"}
+    assert report["dtypes"] == ["fp32", "bf16"]
+    assert sum(row["examples"] for row in report["examples_by_dtype"]) == report["examples"]
+    assert {c["dtype"] for c in report["counts"]} <= {"fp32", "bf16"}
     assert {w["output"] for w in report["worst"]} >= {"logprobs", "grad_hidden", "grad_weight"}
     markdown = (out / "report.md").read_text()
     assert "# ci campaign: PASSED" in markdown and "| differential |" in markdown
@@ -141,21 +135,8 @@ def test_mutants_prints_the_kill_table(tmp_path, capsys):
 
 def test_run_stops_at_its_budget(tmp_path, capsys):
     out = tmp_path / "report"
-    argv = [
-        "run",
-        "--backends",
-        "torch,triton",
-        "--tp",
-        "1",
-        "--budget-s",
-        "1.5",
-        "--properties",
-        "differential",
-        "--max-examples",
-        "500",
-        "--out",
-        str(out),
-    ]
+    argv = shlex.split("run --backends torch,triton --tp 1 --budget-s 1.5 --max-examples 500")
+    argv += ["--properties", "differential", "--out", str(out)]
     code = main(argv)  # how many examples fit decides whether an open lce finding is reached
     report = json.loads((out / "report.json").read_text())
     assert code == (EXIT_PASS if report["passed"] else EXIT_FAIL)

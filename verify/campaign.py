@@ -26,8 +26,12 @@ from verify.profiles import profile_settings
 from verify.progress import Progress
 from verify.properties.registry import PROPERTIES
 from verify.properties.runner import Runner
-from verify.spec import BACKENDS, CaseSpec
+from verify.spec import BACKENDS, DTYPE_PAIRS, CaseSpec
 from verify.strategies import case_specs, invalid_specs
+
+
+# tolerances.yaml dtype key -> (hidden, weight) dtype pair of the spec
+PAIR_OF = {h if h == w else f"{h}_{w}": (h, w) for h, w in DTYPE_PAIRS}
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,12 @@ class CampaignConfig:
     seed: int | None = None
     mutant: str | None = None
     max_examples: int | None = None
+    dtypes: tuple[str, ...] = ()  # tolerances.yaml dtype keys (fp32, bf16, fp32_bf16, ...); all
+
+    @property
+    def dtype_pairs(self) -> tuple[tuple[str, str], ...]:
+        """The (hidden, weight) dtype pairs of `dtypes` (all pairs when empty)."""
+        return tuple(PAIR_OF[d] for d in self.dtypes) if self.dtypes else DTYPE_PAIRS
 
     @property
     def on_gpu(self) -> bool:
@@ -65,8 +75,22 @@ class CampaignConfig:
                 raise ValueError(f"--tp: TP degree must be one of 1, 2, 4, 8, got {tp}")
         if not self.backends or not self.tp_sizes:
             raise ValueError("--backends and --tp need at least one value each")
+        if self.on_gpu:
+            import torch
+
+            gpus = torch.cuda.device_count()
+            if gpus == 0:
+                raise ValueError("--device cuda but no GPU is visible; use --device cpu (gloo)")
+            if max(self.tp_sizes) > gpus:
+                raise ValueError(
+                    f"--tp {max(self.tp_sizes)} needs one GPU per rank; {gpus} visible "
+                    f"(use --tp {','.join(str(t) for t in (1, 2, 4, 8) if t <= gpus)})"
+                )
         if not self.budget_s > 0:
             raise ValueError(f"--budget-s must be > 0 seconds, got {self.budget_s}")
+        for dtype in self.dtypes:
+            if dtype not in PAIR_OF:
+                raise ValueError(f"--dtypes: unknown {dtype!r}; choose from {', '.join(PAIR_OF)}")
         for name in self.properties:
             if name not in PROPERTIES:
                 raise ValueError(f"--properties: unknown {name!r}; known: {', '.join(PROPERTIES)}")
@@ -205,7 +229,10 @@ class _Slice:
         if with_status and "status" in self.names:
             searches.append((["status"], invalid_specs(tp_sizes=(self.tp,))))
         if valid:
-            searches.append((valid, case_specs(backends=(self.backend,), tp_sizes=(self.tp,))))
+            specs = case_specs(
+                backends=(self.backend,), tp_sizes=(self.tp,), pairs=self.config.dtype_pairs
+            )
+            searches.append((valid, specs))
         began = time.monotonic()
         for names, strategy in searches:
             for attempt in range(1 + RESTARTS):
@@ -344,6 +371,7 @@ def _meta(config: CampaignConfig, wall_s: float, exhausted: bool) -> dict[str, A
         "wall_s": round(wall_s, 2),
         "seed": config.seed,
         "mutant": config.mutant,
+        "dtypes": list(config.dtypes) or None,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - wall_s)),
         "environment": {
             "versions": artifacts.versions(),

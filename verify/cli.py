@@ -94,6 +94,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="examples per backend x TP slice (the profile's)",
     )
+    p.add_argument(
+        "--dtypes",
+        type=_names,
+        default=(),
+        help="comma-separated dtype keys to draw: fp32,bf16,fp16,fp32_bf16,fp64 (all)",
+    )
     p.add_argument("--mutant", default=None, help="plant this bug (self-test; see `mutants`)")
     p.set_defaults(handler=_cmd_run)
 
@@ -169,6 +175,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         mutant=args.mutant,
         max_examples=args.max_examples,
+        dtypes=args.dtypes,
     )
     try:
         config.validate()

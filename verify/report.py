@@ -52,6 +52,10 @@ class Tally:
     counts: dict[tuple[str, str, str, int], list[int]] = field(
         default_factory=lambda: defaultdict(lambda: [0, 0, 0])
     )
+    # (dtype, backend, tp) -> [examples, failing examples]
+    by_dtype: dict[tuple[str, str, int], list[int]] = field(
+        default_factory=lambda: defaultdict(lambda: [0, 0])
+    )
     cells: dict[tuple[str, str, str], Cell] = field(default_factory=lambda: defaultdict(Cell))
     failures: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
@@ -64,8 +68,10 @@ class Tally:
         """Record one checked example: its verdicts (objects or dicts) from every property."""
         self.examples += 1
         records = [verdict_record(v) for v in verdicts]
-        known = any(r.get("known") for r in records) and not any(is_failure(r) for r in records)
-        self.known_examples += int(known)
+        failed = any(is_failure(r) for r in records)
+        self.known_examples += int(any(r.get("known") for r in records) and not failed)
+        self.by_dtype[(dtype, backend, tp)][0] += 1
+        self.by_dtype[(dtype, backend, tp)][1] += int(failed)
         by_property: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for record in records:
             by_property[str(record.get("property"))].append(record)
@@ -108,6 +114,7 @@ class Tally:
                 "property": prop,
                 "tp": tp,
                 "detail": record.get("detail"),
+                "known": record.get("known") or "",
             }
 
 
@@ -116,6 +123,10 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
     counts = [
         {"property": p, "dtype": d, "backend": b, "tp": t, "examples": n, "failures": f, "known": k}
         for (p, d, b, t), (n, f, k) in sorted(tally.counts.items())
+    ]
+    by_dtype = [
+        {"dtype": d, "backend": b, "tp": t, "examples": n, "failures": f}
+        for (d, b, t), (n, f) in sorted(tally.by_dtype.items())
     ]
     worst = [
         {"output": o, "dtype": d, "backend": b, "checks": c.seen, **(c.worst or {})}
@@ -133,6 +144,7 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
         "passed": not tally.failures and not tally.errors,
         "slices": tally.slices,
         "counts": counts,
+        "examples_by_dtype": by_dtype,
         "worst": worst,
         "failures": tally.failures,
         "errors": tally.errors,
@@ -176,9 +188,10 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "## Examples per dtype and backend/TP",
         "",
-        *_count_table(doc["counts"], "dtype"),
+        *_count_table(doc["examples_by_dtype"], "dtype"),
         "",
-        "## Worst measured/allowed per output and dtype (all backends; <= 1 passes)",
+        "## Worst measured/allowed per output and dtype (all backends; <= 1 passes; "
+        "known: a reported failure class, not counted)",
         "",
         *_worst_table(doc["worst"]),
         "",
@@ -216,15 +229,21 @@ def _worst_table(worst: list[dict[str, Any]]) -> list[str]:
     outputs = sorted({w["output"] for w in worst})
     if not outputs:
         return ["(no verdicts)"]
-    best: dict[tuple[str, str], float] = {}
+    best: dict[tuple[str, str], dict[str, Any]] = {}
     for w in worst:
-        key = (w["output"], w["dtype"])
-        best[key] = max(best.get(key, -1.0), order(float(w.get("ratio", 0.0))))
+        key, ratio = (w["output"], w["dtype"]), order(float(w.get("ratio", 0.0)))
+        if key not in best or ratio > order(float(best[key].get("ratio", 0.0))):
+            best[key] = w
     lines = [_row(["output", *dtypes]), _row(["---"] * (len(dtypes) + 1))]
     for out in outputs:
-        values = [_ratio_text(best[(out, d)]) if (out, d) in best else "-" for d in dtypes]
+        values = [_worst_text(best[(out, d)]) if (out, d) in best else "-" for d in dtypes]
         lines.append(_row([out, *values]))
     return lines
+
+
+def _worst_text(worst: dict[str, Any]) -> str:
+    text = _ratio_text(float(worst.get("ratio", 0.0)))
+    return f"{text} (known: {worst['known']})" if worst.get("known") else text
 
 
 def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:

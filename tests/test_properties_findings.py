@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import lce
-
 from verify.engine import check_case
 from verify.spec import CaseSpec
 

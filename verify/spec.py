@@ -40,7 +40,8 @@ TARGET_PATTERNS = ("random", "edges", "high", "repeated")
 REGIMES = ("normal", "peaked", "negative", "offset", "spread")
 LAYOUTS = ("contiguous", "transposed", "sliced")
 UPSTREAMS = ("ones", "scalar", "random", "zero_row0", "strided", "expanded", "logprob_only")
-GRADS = ("both", "hidden", "weight", "none")
+# twice: retain_graph and a second backward (must give the same gradients)
+GRADS = ("both", "hidden", "weight", "none", "twice")
 BACKENDS = ("torch", "triton")
 # Invalid inputs for the status-agreement property; "none" is a valid case.
 FAULTS = (

@@ -80,6 +80,7 @@ class KernelRun:
     """Global outputs of one run (rank 0's per-token values, all grad_weight shards), or a refusal.
 
     ``ranks_agree``: every rank returned bit-identical per-token outputs and grad_hidden.
+    ``twice_equal``: for ``grads="twice"``, the second backward repeated the first (else True).
     """
 
     status: str
@@ -88,6 +89,7 @@ class KernelRun:
     inputs_unchanged: bool
     ranks_agree: bool
     error: str = ""
+    twice_equal: bool = True
 
 
 def assemble(spec: CaseSpec, results: list[dict[str, Any]]) -> KernelRun:
@@ -116,7 +118,8 @@ def assemble(spec: CaseSpec, results: list[dict[str, Any]]) -> KernelRun:
         _bit_equal(r[name], first[name]) for r in results[1:] for name in PER_RANK_SAME if name in r
     )
     unchanged = all(r["inputs_unchanged"] for r in results)
-    return KernelRun("ok", outputs, first["dtypes"], unchanged, agree)
+    twice = all(v for r in results for k, v in r.items() if k.endswith("twice_equal"))
+    return KernelRun("ok", outputs, first["dtypes"], unchanged, agree, twice_equal=twice)
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

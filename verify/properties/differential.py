@@ -48,6 +48,9 @@ def contract(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     verdicts.append(flag("contract", spec, "inputs", run.inputs_unchanged, "inputs unmodified"))
     if spec.tp > 1:
         verdicts.append(flag("contract", spec, "tp_ranks", run.ranks_agree, "ranks bit-equal"))
+    if spec.grads == "twice":
+        same = "second backward (retain_graph) bit-equal to the first"
+        verdicts.append(flag("contract", spec, "second_backward", run.twice_equal, same))
     ignored = expected(spec).problem.targets == IGNORE_INDEX
     if bool(ignored.any()):
         rel = load().exact["ignored"]

@@ -115,8 +115,8 @@ def _inputs(spec: CaseSpec, problem: Problem, ctx: Any) -> dict[str, Any]:
     targets = targets.view(shape)
     if spec.fault == "targets_float":
         targets = targets.float()
-    hidden.requires_grad_(spec.grads in ("both", "hidden"))
-    weight.requires_grad_(spec.grads in ("both", "weight"))
+    hidden.requires_grad_(spec.grads in ("both", "hidden", "twice"))
+    weight.requires_grad_(spec.grads in ("both", "weight", "twice"))
     return {
         "hidden": hidden, "weight": weight, "targets": targets, "temperature": temperature,
         "vocab_start": explicit_vocab_start(spec, ctx.tp_rank), "tied": tied,
@@ -141,6 +141,7 @@ def _run(spec: CaseSpec, problem: Problem, ctx: Any) -> dict[str, Any]:
         "backend": spec.backend, "chunk_size": spec.chunk_size,
     }  # fmt: skip
     shape = spec.target_shape()
+    twice = spec.grads == "twice"
     grad_mode = torch.enable_grad() if leaves else torch.no_grad()
     with grad_mode:
         head = _head_hidden(spec, problem, inputs)
@@ -149,7 +150,7 @@ def _run(spec: CaseSpec, problem: Problem, ctx: Any) -> dict[str, Any]:
         pairs = [(out.logprobs, upstream_view(problem.grad_logprob, spec, shape))]
         if problem.grad_entropy is not None:
             pairs.append((out.entropy, upstream_view(problem.grad_entropy, spec, shape)))
-        result.update(_grads(pairs, inputs, leaves, "grad_"))
+        result.update(_grads(pairs, inputs, leaves, "grad_", twice))
         head = _head_hidden(spec, problem, inputs)
         loss = lce.linear_cross_entropy(
             head, inputs["weight"], inputs["targets"], reduction=spec.reduction, **kwargs
@@ -158,7 +159,7 @@ def _run(spec: CaseSpec, problem: Problem, ctx: Any) -> dict[str, Any]:
         loss_grad = problem.grad_loss
         if spec.reduction == "none":
             loss_grad = upstream_view(loss_grad, spec, shape)
-        result.update(_grads([(loss, loss_grad)], inputs, leaves, "loss_grad_"))
+        result.update(_grads([(loss, loss_grad)], inputs, leaves, "loss_grad_", twice))
     result["inputs_unchanged"] = all(
         torch.equal(before[k], inputs[k].detach()) and before[k].dtype == inputs[k].dtype
         for k in before
@@ -172,15 +173,23 @@ def _grads(
     inputs: dict[str, Any],
     leaves: list[torch.Tensor],
     prefix: str,
-) -> dict[str, torch.Tensor]:
-    """Gradients of ``sum(output * upstream)`` w.r.t. the leaves that require grad."""
+    twice: bool = False,
+) -> dict[str, Any]:
+    """Gradients of ``sum(output * upstream)`` w.r.t. the leaves that require grad; ``twice``:
+    backward with ``retain_graph`` and again, returning the second and whether both agree."""
     if not leaves:
         return {}
     outputs, upstreams = zip(*pairs, strict=True)
-    grads = torch.autograd.grad(outputs, leaves, upstreams, allow_unused=True)
-    named = {}
+    first = torch.autograd.grad(outputs, leaves, upstreams, allow_unused=True, retain_graph=twice)
+    grads = torch.autograd.grad(outputs, leaves, upstreams, allow_unused=True) if twice else first
+    named: dict[str, Any] = {}
     for name in ("hidden", "weight"):
         if inputs[name].requires_grad:
             grad = grads[[leaf is inputs[name] for leaf in leaves].index(True)]
             named[prefix + name] = grad if grad is not None else torch.zeros_like(inputs[name])
+    if twice:
+        named[prefix + "twice_equal"] = all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(first, grads, strict=True)
+        )
     return named

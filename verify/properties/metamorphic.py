@@ -182,7 +182,7 @@ def tied_untied(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     dtype (the embedding backward casts grad_hidden; index_add accumulates repeated ids) before
     adding them, while the expectation adds the two unrounded parts in float64.
     """
-    if not spec.tied or spec.grads != "both":
+    if not spec.tied or spec.grads not in ("both", "twice"):
         return []
     runs, bad = _runs("tied_untied", spec, runner, spec.with_(transform="untie"))
     if bad:

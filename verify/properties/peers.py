@@ -88,8 +88,10 @@ def megatron_job(payload: dict[str, Any], ctx: Any) -> dict[str, torch.Tensor]:
     spec = CaseSpec.from_json(payload["spec"])
     problem = build(spec)
     start, stop = vocab_range(spec, ctx.tp_rank)
-    hidden = problem.hidden.clone().requires_grad_(spec.grads in ("both", "hidden"))
-    weight = problem.weight[start:stop].clone().requires_grad_(spec.grads in ("both", "weight"))
+    hidden = problem.hidden.clone().requires_grad_(spec.grads in ("both", "hidden", "twice"))
+    weight = (
+        problem.weight[start:stop].clone().requires_grad_(spec.grads in ("both", "weight", "twice"))
+    )
     valid = problem.targets != IGNORE_INDEX
     targets = torch.where(valid, problem.targets, torch.zeros_like(problem.targets))
     group = {

@@ -77,7 +77,8 @@ class SpecError(ValueError):
 class CaseSpec:
     """One case. ``batch`` = 0 gives 2-D ``[tokens, H]`` inputs, ``batch`` >= 1 gives 3-D
     ``[batch, tokens, H]``. ``tp`` is the TP degree the case runs at; shards split the vocabulary
-    like ``numpy.array_split`` (uneven when ``vocab % tp``). ``chunk_size`` is the torch backend's
+    like ``numpy.array_split`` (uneven when ``vocab % tp``); ``reduce_hidden=False`` leaves each
+    rank's grad_hidden partial (sequence parallel). ``chunk_size`` is the torch backend's
     tokens per chunk (None: its default). ``seed`` seeds the one generator all tensors come from.
     """
 
@@ -96,6 +97,7 @@ class CaseSpec:
     offset: float = 0.0
     temperature: float = 1.0
     tied: bool = False
+    reduce_hidden: bool = True
     layout: str = "contiguous"
     upstream: str = "random"
     grads: str = "both"

@@ -116,6 +116,7 @@ def case_specs(
         offset=offset,
         temperature=draw(temperatures()),
         tied=tp == 1 and draw(st.booleans()),
+        reduce_hidden=tp == 1 or draw(st.sampled_from([True, False])),
         layout=draw(st.sampled_from(LAYOUTS)),
         upstream=draw(st.sampled_from(("random", *(u for u in UPSTREAMS if u != "random")))),
         grads=draw(st.sampled_from(GRADS)),

@@ -107,6 +107,9 @@ def assemble(spec: CaseSpec, results: list[dict[str, Any]]) -> KernelRun:
             continue
         if name.endswith("grad_weight"):
             value = torch.cat([r[name] for r in results], dim=0)
+        elif name.endswith("grad_hidden") and not spec.reduce_hidden:
+            # Partial per rank (sequence parallel): the caller's reduce-scatter sums them.
+            value = torch.stack([r[name].double() for r in results]).sum(0).to(first[name].dtype)
         else:
             value = first[name]
         if name.endswith("grad_hidden"):
@@ -114,9 +117,8 @@ def assemble(spec: CaseSpec, results: list[dict[str, Any]]) -> KernelRun:
         elif name in ("logprobs", "entropy") or (name == "loss" and spec.reduction == "none"):
             value = value.reshape(-1)
         outputs[name] = value
-    agree = all(
-        _bit_equal(r[name], first[name]) for r in results[1:] for name in PER_RANK_SAME if name in r
-    )
+    same = [n for n in PER_RANK_SAME if spec.reduce_hidden or not n.endswith("grad_hidden")]
+    agree = all(_bit_equal(r[n], first[n]) for r in results[1:] for n in same if n in r)
     unchanged = all(r["inputs_unchanged"] for r in results)
     twice = all(v for r in results for k, v in r.items() if k.endswith("twice_equal"))
     return KernelRun("ok", outputs, first["dtypes"], unchanged, agree, twice_equal=twice)

@@ -139,6 +139,7 @@ def _run(spec: CaseSpec, problem: Problem, ctx: Any) -> dict[str, Any]:
         "ignore_index": IGNORE_INDEX, "temperature": inputs["temperature"],
         "tp_group": ctx.tp_group if spec.tp > 1 else None, "vocab_start": inputs["vocab_start"],
         "backend": spec.backend, "chunk_size": spec.chunk_size,
+        "reduce_grad_hidden": spec.reduce_hidden,
     }  # fmt: skip
     shape = spec.target_shape()
     twice = spec.grads == "twice"

@@ -134,7 +134,13 @@ def cce_adapter(filter_eps: float | str | None = "high") -> Adapter:
     call = f"cut_cross_entropy.linear_cross_entropy(impl='cce', filter_eps={filter_eps!r})"
     # fp32 logits: CCE's kernels accumulate in fp32 (IEEE unless float32 matmul precision is
     # set to "high", then TF32); its loss comes from fp32 log-sum-exp.
-    return flat_loss_adapter(name, loss_2d, device="cuda", description=call)
+    # fp32 is not claimed: CCE's backward asserts "Backwards requires embeddings to be bf16 or
+    # fp16" (seen on an H200 with cut-cross-entropy 25.1.1).
+    pairs = (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
+    return flat_loss_adapter(
+        name, loss_2d, device="cuda", description=call,
+        capabilities=Capabilities(dtype_pairs=pairs),
+    )  # fmt: skip
 
 
 BUILTIN: dict[str, Callable[[], Adapter]] = {

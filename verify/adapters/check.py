@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from hypothesis.errors import Unsatisfiable
+from hypothesis.errors import FlakyFailure, Unsatisfiable
 
 from verify import artifacts
 from verify.adapters.filtering import (
@@ -30,17 +30,19 @@ from verify.adapters.filtering import (
 from verify.adapters.protocol import Adapter
 from verify.adapters.registry import resolve
 from verify.adapters.runner import adapter_runner
-from verify.engine import run_property
+from verify.engine import PropertyFailure, run_property
 from verify.properties.verdict import PropertyVerdict
 from verify.spec import CaseSpec
 
 BATCH_EXAMPLES = 20  # examples per seeded batch of a timed search
 MAX_FAILURES = 3  # distinct failures a timed search collects per property
-# Spec fields whose non-default value in a shrunk failure marks what triggered it.
+# Spec fields whose non-default value in a shrunk failure marks what triggered it (sizes and
+# numbers are left out: they shrink on their own; transform/fault/backend are set by properties).
+_NOT_TRIGGERS = ("tokens", "hidden_size", "vocab", "seed", "scale", "offset", "chunk_size")
 TRIGGER_FIELDS = tuple(
     f.name
     for f in fields(CaseSpec)
-    if f.name not in ("tokens", "hidden_size", "vocab", "seed", "scale", "offset", "chunk_size")
+    if f.name not in (*_NOT_TRIGGERS, "transform", "fault", "backend")
 )
 
 
@@ -160,10 +162,14 @@ def _timed(outcome, adapter, name, strategy, runner, profile, max_examples, shar
 
 
 def _batch(outcome, name, strategy, runner, profile, max_examples, seed) -> None:
-    result = run_property(
-        name, strategy=strategy, profile=profile, runner=runner,
-        max_examples=max_examples, seed=seed,
-    )  # fmt: skip
+    try:
+        result = run_property(
+            name, strategy=strategy, profile=profile, runner=runner,
+            max_examples=max_examples, seed=seed,
+        )  # fmt: skip
+    except FlakyFailure as exc:
+        outcome.failures.append(Failure(flaky_verdicts(exc)))
+        return
     outcome.examples += result.examples
     outcome.known += result.known
     if result.failure:
@@ -172,15 +178,38 @@ def _batch(outcome, name, strategy, runner, profile, max_examples, seed) -> None
         outcome.worst_ratio[key] = max(outcome.worst_ratio.get(key, 0.0), ratio)
 
 
+def flaky_verdicts(exc: FlakyFailure) -> list[PropertyVerdict]:
+    """The failing verdicts inside Hypothesis's FlakyFailure (a failure that did not repeat on
+    the same spec, e.g. a non-deterministic implementation), marked as such; re-raises ``exc``
+    when it holds no property failure."""
+    matched, _ = exc.split(PropertyFailure)
+    if matched is None:
+        raise exc
+    note = "; FLAKY: the same spec then passed (non-deterministic implementation?)"
+    return [
+        replace(v, detail=v.detail + note) for failure in _leaves(matched) for v in failure.verdicts
+    ]
+
+
+def _leaves(group: BaseExceptionGroup) -> list[PropertyFailure]:
+    out = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
 def trigger(adapter: Adapter, spec: CaseSpec) -> dict[str, Any]:
     """The fields of a shrunk ``spec`` that differ from the simplest spec the adapter gets:
     shrinking moves every field it can back to its default, so these are what the failure needs."""
     simplest = coerce(adapter, CaseSpec())
-    return {
+    found = {
         name: getattr(spec, name)
         for name in TRIGGER_FIELDS
         if getattr(spec, name) != getattr(simplest, name)
     }
+    if spec.tokens == 0:
+        found["tokens"] = 0  # empty input: a class of its own
+    return found
 
 
 def _has(spec: CaseSpec, found: dict[str, Any]) -> bool:

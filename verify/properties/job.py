@@ -7,7 +7,7 @@ tensors keyed by name; an exception of lce becomes ``status="raised"`` (the stat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -59,12 +59,27 @@ def run_local(spec: CaseSpec, mutant: str | None = None) -> dict[str, Any]:
 
 
 def execute(spec: CaseSpec, ctx: Any) -> dict[str, Any]:
-    """This rank's outputs: per-token outputs, loss, gradients, input-integrity and dtypes."""
-    problem = build(spec)
+    """This rank's outputs: per-token outputs, loss, gradients, input-integrity and dtypes.
+
+    The problem is built on the CPU (the same numbers everywhere), then moved to ``ctx.device``.
+    """
+    problem = on_device(build(spec), getattr(ctx, "device", torch.device("cpu")))
     try:
         return _run(spec, problem, ctx)
     except REFUSALS as exc:
         return {"status": "raised", "error_type": type(exc).__name__, "error": str(exc)[:500]}
+
+
+def on_device(problem: Problem, device: torch.device) -> Problem:
+    """``problem`` with every tensor on ``device`` (values unchanged)."""
+    if torch.device(device).type == "cpu":
+        return problem
+    moved = {
+        f.name: value.to(device) if isinstance(value, torch.Tensor) else value
+        for f in fields(problem)
+        for value in [getattr(problem, f.name)]
+    }
+    return replace(problem, **moved)
 
 
 def with_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:

@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-examples", type=int, default=None, help="examples per seeded batch (default 20)"
     )
+    parser.add_argument(
+        "--failures", type=Path, default=None, help="artifact directory (default OUT/failures)"
+    )
     return parser.parse_args(argv)
 
 
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         report = check_impl(
             ref, profile=args.profile, minutes=args.minutes, seed=args.seed,
-            max_examples=args.max_examples, failures_dir=args.out / "failures",
+            max_examples=args.max_examples, failures_dir=args.failures or args.out / "failures",
         )  # fmt: skip
         summary["implementations"].append(to_json(report))
         sections.append(to_markdown(report))

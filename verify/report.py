@@ -40,7 +40,7 @@ class Cell:
     """Worst verdict and a sample of ratios of one output x dtype x backend."""
 
     worst: dict[str, Any] | None = None
-    ratios: list[float] = field(default_factory=list)
+    ratios: list[tuple[float, bool]] = field(default_factory=list)  # (ratio, known class)
     seen: int = 0
 
 
@@ -98,12 +98,13 @@ class Tally:
         ratio = float(record.get("ratio", 0.0))
         cell = self.cells[(output, dtype, backend)]
         cell.seen += 1
+        sample = (ratio, bool(record.get("known")))
         if len(cell.ratios) < SAMPLES_PER_CELL:
-            cell.ratios.append(ratio)
+            cell.ratios.append(sample)
         else:
             slot = self._rng.randrange(cell.seen)
             if slot < SAMPLES_PER_CELL:
-                cell.ratios[slot] = ratio
+                cell.ratios[slot] = sample
         worst = cell.worst
         if worst is None or order(ratio) > order(float(worst["ratio"])):
             cell.worst = {
@@ -259,7 +260,7 @@ def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
         lines.append(
             _row(
                 [
-                    f["property"],
+                    _short_properties(f["property"]),
                     f.get("output", "?"),
                     f["backend"],
                     str(f["tp"]),
@@ -271,6 +272,12 @@ def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
             )
         )
     return [*lines, ""]
+
+
+def _short_properties(names: str) -> str:
+    """``a,b,c`` as ``a (+2)``: the table stays narrow; the JSON and the artifact list them all."""
+    first, *rest = names.split(",")
+    return f"{first} (+{len(rest)})" if rest else first
 
 
 def _error_lines(errors: list[dict[str, Any]]) -> list[str]:

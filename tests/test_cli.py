@@ -144,3 +144,29 @@ def test_run_stops_at_its_budget(tmp_path, capsys):
     statuses = [s["status"] for s in report["slices"]]
     assert statuses[0] == "budget" and statuses[1] in ("budget", "skipped (budget)")
     assert "(exhausted)" in (out / "report.md").read_text()
+
+
+def test_a_dead_rank_is_an_infrastructure_error_and_the_next_slice_runs(tmp_path, monkeypatch):
+    from verify.campaign import CampaignConfig, run_campaign
+    from verify.progress import Progress
+    from verify.properties import runner
+
+    monkeypatch.setattr(runner, "JOB", "tests.campaign_jobs:die")
+    config = CampaignConfig(
+        backends=("torch", "triton"),
+        tp_sizes=(2,),
+        budget_s=120,
+        out_dir=tmp_path,
+        properties=("differential",),
+        max_examples=3,
+    )
+    result = run_campaign(config, Progress("test", 120, stream=None))
+    assert not result.passed
+    slices = result.report["slices"]
+    assert [s["status"] for s in slices] == ["infrastructure error"] * 2  # pool rebuilt for #2
+    errors = result.report["errors"]
+    assert [e["where"] for e in errors] == ["torch TP=2", "triton TP=2"]
+    assert "died" in errors[0]["message"] and '"tp":2' in errors[0]["message"]
+    saved = artifacts.load(result.artifacts[0])
+    assert saved.record["shrunk"] is False and saved.record["error"].startswith("WorkerDied")
+    assert saved.spec.tp == 2

@@ -170,3 +170,23 @@ def test_a_dead_rank_is_an_infrastructure_error_and_the_next_slice_runs(tmp_path
     saved = artifacts.load(result.artifacts[0])
     assert saved.record["shrunk"] is False and saved.record["error"].startswith("WorkerDied")
     assert saved.spec.tp == 2
+
+
+def test_report_without_matplotlib_keeps_its_tables(tmp_path, monkeypatch):
+    import sys
+
+    from verify import report
+    from verify.properties.verdict import PropertyVerdict
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    tally = report.Tally()
+    verdict = PropertyVerdict(
+        "differential", "logprobs", "ratio", True, 1e-7, 1e-6, 0.1, "", CAUGHT.to_json()
+    )
+    tally.add_example("fp32", "torch", 1, [verdict])
+    meta = {"title": "t", "wall_s": 1.0, "budget_s": 10.0}
+    document, paths = report.write(tally, meta, tmp_path)
+    assert paths["png"] is None and document["plot"] is None
+    assert not (tmp_path / report.PLOT_FILE).exists()
+    text = (tmp_path / "report.md").read_text()
+    assert "(no plot: matplotlib is not installed)" in text and "| logprobs | 0.1 |" in text

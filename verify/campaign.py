@@ -29,7 +29,6 @@ from verify.properties.runner import Runner
 from verify.spec import BACKENDS, DTYPE_PAIRS, CaseSpec
 from verify.strategies import case_specs, invalid_specs
 
-
 # tolerances.yaml dtype key -> (hidden, weight) dtype pair of the spec
 PAIR_OF = {h if h == w else f"{h}_{w}": (h, w) for h, w in DTYPE_PAIRS}
 
@@ -106,7 +105,7 @@ RESTARTS = 2
 class CampaignResult:
     passed: bool
     report: dict[str, Any]
-    paths: dict[str, Path]
+    paths: dict[str, Path | None]
     artifacts: list[Path] = field(default_factory=list)
 
 
@@ -192,8 +191,7 @@ def run_campaign(
             pool.close()
         progress.finish()
     meta = _meta(config, time.monotonic() - began, exhausted)
-    paths = report.write(tally, meta, config.out_dir)
-    document = report.to_json(tally, meta)
+    document, paths = report.write(tally, meta, config.out_dir)
     return CampaignResult(document["passed"], document, paths, saved)
 
 

@@ -192,7 +192,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"  {failure['artifact']}: {failure['line']}")
     print(
         f"report: {result.paths['markdown']} (JSON {result.paths['json']}, "
-        f"plot {result.paths['png']})"
+        f"plot {result.paths['png'] or 'none: matplotlib is not installed'})"
     )
     return EXIT_PASS if result.passed else EXIT_FAIL
 
@@ -206,6 +206,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from verify.replay import KEEP
 
     mutant = None if args.without_mutant else KEEP
+    too_big = _beyond_gpus(loaded, args)
+    if too_big:
+        raise UsageError(
+            f"{too_big[0].path}: needs TP={args.tp or too_big[0].spec.tp} GPUs; "
+            f"pass --tp 1 or --device cpu"
+        )
     return _replay_all(loaded, args, lambda a: [(mutant, True)], args.times, annotate=False)
 
 
@@ -220,7 +226,26 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
     loaded = _load_all(files, artifacts)
     from verify.corpus import plans
 
+    skipped = _beyond_gpus(loaded, args)
+    for artifact in skipped:
+        print(f"{artifact.path.name}: skipped, TP={artifact.spec.tp} needs more GPUs than visible")
+    loaded = [a for a in loaded if a not in skipped]
+    if not loaded:
+        print("no corpus entry fits the visible GPUs")
+        return EXIT_PASS
     return _replay_all(loaded, args, plans, times=1, annotate=True)
+
+
+def _beyond_gpus(loaded: list, args: argparse.Namespace) -> list:
+    """Artifacts whose TP degree exceeds the visible GPUs (none on ``--device cpu``)."""
+    if args.device != "cuda":
+        return []
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise UsageError("--device cuda but no GPU is visible; use --device cpu (gloo)")
+    return [a for a in loaded if (args.tp or a.spec.tp) > gpus]
 
 
 def _cmd_mutants(args: argparse.Namespace) -> int:

@@ -152,20 +152,25 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def write(tally: Tally, meta: dict[str, Any], out_dir: Path | str) -> dict[str, Path]:
-    """Write ``report.json``, ``report.md`` and ``ratios.png`` into ``out_dir``; returns paths."""
+def write(
+    tally: Tally, meta: dict[str, Any], out_dir: Path | str
+) -> tuple[dict[str, Any], dict[str, Path | None]]:
+    """Write ``report.json``, ``report.md`` and ``ratios.png`` (when matplotlib is installed) into
+    ``out_dir``; returns the report document and the paths (``png`` None without a plot)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    document = to_json(tally, meta)
-    paths = {"json": out / "report.json", "markdown": out / "report.md", "png": out / PLOT_FILE}
-    from verify.ratio_plot import plot_ratios
+    png: Path | None = out / PLOT_FILE
+    try:
+        from verify.ratio_plot import plot_ratios
 
-    plot_ratios(
-        {key: cell.ratios for key, cell in tally.cells.items()}, paths["png"], document["title"]
-    )
+        plot_ratios({key: cell.ratios for key, cell in tally.cells.items()}, png, meta["title"])
+    except ImportError:  # matplotlib is an optional extra (lce[verify]); the tables still tell
+        png = None
+    document = to_json(tally, {**meta, "plot": PLOT_FILE if png else None})
+    paths = {"json": out / "report.json", "markdown": out / "report.md", "png": png}
     _atomic_text(paths["json"], json.dumps(document, indent=1, sort_keys=True) + "\n")
     _atomic_text(paths["markdown"], markdown(document))
-    return paths
+    return document, paths
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -196,7 +201,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         *_worst_table(doc["worst"]),
         "",
-        f"![measured/allowed ratios]({PLOT_FILE})",
+        f"![measured/allowed ratios]({doc['plot']})"
+        if doc.get("plot")
+        else "(no plot: matplotlib is not installed)",
         "",
         *_failure_lines(doc["failures"]),
         *_error_lines(doc["errors"]),

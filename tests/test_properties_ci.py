@@ -55,5 +55,5 @@ def test_ci_profile_tensor_parallel(pool) -> None:
     runner = Runner(pool)
     specs = selftest_specs((2,))
     names = ("differential", "contract", "tp_invariance", "megatron_peer")
-    result = run_property(names, strategy=specs, runner=runner, max_examples=12)
+    result = run_property(names, strategy=specs, runner=runner, max_examples=10)
     _assert_passed(result)

@@ -42,11 +42,22 @@ def test_peaked_row_gradient_as_precise_as_stock_path() -> None:
     assert not failed, "\n".join(failed)
 
 
-@pytest.mark.xfail(strict=True, reason="peaked row, entropy + logprob upstream: 50x stock error")
-def test_peaked_row_entropy_gradient_as_precise_as_stock_path() -> None:
-    # The soak's shrunk spec: fp32, T=1, V=2, target leads by 10, upstream ones on logprob and
-    # entropy: grad_hidden error 1.1e-8 vs the stock path's 1e-10 (ratio tier, 50x; the envelope
-    # passes). Logprob-only upstream passes, so the entropy term of d_logits loses the precision.
-    spec = CaseSpec(tokens=1, vocab=2, regime="peaked", upstream="ones")
-    failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
+@pytest.fixture(scope="module")
+def pool():
+    from verify.distributed import WorkerPool
+
+    with WorkerPool(world_size=2, timeout_s=120) as workers:
+        yield workers
+
+
+@pytest.mark.xfail(strict=True, reason="fp32 peaked rows at TP=2: loss grad_weight 1.1x envelope")
+def test_peaked_rows_at_tp2_within_fp32_envelope(pool) -> None:
+    # Found by the TP search: passes at TP=1; at TP=2 loss_grad_weight misses the envelope by 1.1x
+    # (1.43e-6 vs 1.31e-6) and the ratio tier by 3.6x. Calibration or TP-merge rounding: for the
+    # lead (docs/bench/properties.md).
+    from verify.properties.runner import Runner
+
+    spec = CaseSpec(tokens=1, batch=2, vocab=17, regime="peaked", tp=2)
+    verdicts = check_case(spec, properties=["differential"], runner=Runner(pool))
+    failed = [v.line() for v in verdicts if v.failed]
     assert not failed, "\n".join(failed)

@@ -1,5 +1,6 @@
-"""The mutation self-test: the ``ci`` profile kills every planted bug, and the killing spec passes
-without the bug (shrinking is left to ``verify mutants``; here only the kill is timed)."""
+"""The mutation self-test: the ``ci`` profile (landmark specs first, then the search) kills every
+planted bug, and the killing spec passes without the bug (shrinking is left to ``verify
+mutants``)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from hypothesis import Phase, given, settings, target
+from hypothesis import Phase, example, given, settings, target
 from hypothesis import strategies as st
 
 from verify.profiles import profile_settings
@@ -89,12 +89,13 @@ def run_property(
     seed: int | None = None,
     on_example: Callable[[CaseSpec, list[PropertyVerdict]], None] | None = None,
     shrink: bool = True,
+    examples: Iterable[CaseSpec] = (),
 ) -> SearchResult:
     """Search ``strategy`` (default `case_specs()` at the runner's TP degrees) for a spec that
     fails property ``name`` (or any of several names), under a settings profile of
     `verify.profiles`. ``seed`` randomizes a derandomized profile (fresh examples per seed).
     Never raises on a property failure: the result carries the (shrunk unless ``shrink=False``)
-    failing verdicts.
+    failing verdicts. ``examples`` run first (e.g. `verify.strategies.landmark_specs`).
     """
     names = [name] if isinstance(name, str) else list(name)
     for n in names:
@@ -124,7 +125,10 @@ def run_property(
                 result.first_failure_at = result.examples
             raise PropertyFailure(failed)
 
-    search = settings(base)(given(strategy)(body))
+    search = given(strategy)(body)
+    for spec in reversed(list(examples)):
+        search = example(spec)(search)
+    search = settings(base)(search)
     if seed is not None:
         from hypothesis import seed as hypothesis_seed
 

@@ -18,7 +18,7 @@ from verify.engine import check_case, run_property
 from verify.mutants import MUTANTS
 from verify.properties.runner import Runner
 from verify.spec import DTYPE_PAIRS, CaseSpec
-from verify.strategies import case_specs
+from verify.strategies import case_specs, landmark_specs
 
 # Properties of the self-test: everything the generator's valid specs exercise, minus the peers
 # (slow, and a peer is an oracle for lce's precision, not for these bug classes).
@@ -50,6 +50,7 @@ class KillRow:
     allowed: float = 0.0
     shrunk_spec: str = ""
     clean_passes: bool | None = None  # the shrunk spec passes without the mutant
+    on_landmark: bool = False  # killed on a landmark spec (explicit example: not shrunk)
     seconds: float = 0.0
 
     @builtins.property  # the field `property` shadows the builtin in this class body
@@ -71,27 +72,44 @@ def mutation_table(
     properties: tuple[str, ...] = SELFTEST_PROPERTIES,
     strategy: st.SearchStrategy[CaseSpec] | None = None,
     shrink: bool = True,
+    landmarks: bool = True,
 ) -> list[KillRow]:
-    """One `KillRow` per mutant (default: all). TP mutants need ``pool`` (TP > 1 specs)."""
+    """One `KillRow` per mutant (default: all). TP mutants need ``pool`` (TP > 1 specs).
+
+    With ``shrink``, the search runs first on its own, so its kill is shrunk to a minimal spec;
+    a mutant it misses gets a second search that starts from `landmark_specs` (``landmarks``;
+    a kill on a landmark itself is not shrunk, and ``on_landmark`` says so). Without ``shrink``,
+    the landmarks run first: the fastest robust kill (the test suite's mode).
+    """
     rows = []
     for name in mutants or MUTANTS:
         runner = Runner(pool, mutant=name)
         search = strategy if strategy is not None else selftest_specs(runner.tp_sizes)
+        marks = landmark_specs(runner.tp_sizes) if landmarks else []
         began = time.perf_counter()
-        result = run_property(
-            properties, strategy=search, profile=profile, runner=runner,
-            max_examples=max_examples, shrink=shrink,
-        )  # fmt: skip
-        row = KillRow(name, MUTANTS[name].bug, not result.passed, result.first_failure_at)
-        if result.failure:
-            first = result.failure[0]
-            row.property, row.output, row.shrunk_spec = first.property, first.output, first.spec
-            row.measured, row.allowed = first.measured, first.allowed
-            clean = check_case(result.shrunk_spec, properties=properties, runner=Runner(pool))
-            row.clean_passes = not any(v.failed for v in clean)
-        row.seconds = time.perf_counter() - began
-        rows.append(row)
+        attempts = [[], marks] if shrink else [marks]
+        for examples in attempts:
+            result = run_property(
+                properties, strategy=search, profile=profile, runner=runner,
+                max_examples=max_examples, shrink=shrink, examples=examples,
+            )  # fmt: skip
+            if not result.passed or not marks:
+                break
+        rows.append(_row(name, result, pool, properties, marks))
+        rows[-1].seconds = time.perf_counter() - began
     return rows
+
+
+def _row(name: str, result, pool, properties: tuple[str, ...], marks: list[CaseSpec]) -> KillRow:
+    row = KillRow(name, MUTANTS[name].bug, not result.passed, result.first_failure_at)
+    if result.failure:
+        first = result.failure[0]
+        row.property, row.output, row.shrunk_spec = first.property, first.output, first.spec
+        row.measured, row.allowed = first.measured, first.allowed
+        row.on_landmark = result.shrunk_spec in marks
+        clean = check_case(result.shrunk_spec, properties=properties, runner=Runner(pool))
+        row.clean_passes = not any(v.failed for v in clean)
+    return row
 
 
 def format_table(rows: list[KillRow]) -> str:
@@ -102,9 +120,8 @@ def format_table(rows: list[KillRow]) -> str:
         state = "yes" if r.killed and r.clean_passes else ("NO" if not r.killed else "dirty")
         state = "crash" if r.killed and r.output == "status" else state
         ratio = f"{r.measured:.3g}/{r.allowed:.3g}" if r.killed else "-"
-        lines.append(
-            f"{r.mutant:32} {state:6} {r.examples or '-'!s:8} {by:34} {ratio:17} {r.seconds:.1f}"
-        )
+        count = f"{r.examples or '-'}{'*' if r.on_landmark else ''}"
+        lines.append(f"{r.mutant:32} {state:6} {count:8} {by:34} {ratio:17} {r.seconds:.1f}")
     killed = sum(r.counts for r in rows)
-    lines.append(f"killed {killed}/{len(rows)}")
+    lines.append(f"killed {killed}/{len(rows)} (* = on a landmark spec, not shrunk)")
     return "\n".join(lines)

@@ -126,6 +126,31 @@ def case_specs(
     )
 
 
+def landmark_specs(
+    tp_sizes: tuple[int, ...] = (1,), backends: tuple[str, ...] = ("torch",)
+) -> list[CaseSpec]:
+    """One small spec per input class of DESIGN.md, run first by every search (explicit phase):
+    the search then starts from every class instead of waiting to draw it."""
+    base = CaseSpec(tokens=5, hidden_size=8, vocab=13, backend=backends[0], upstream="random")
+    specs = [
+        base,
+        base.with_(regime="peaked", target="edges", ignore="random"),
+        base.with_(regime="negative", reduction="sum", chunk_size=2),
+        base.with_(regime="offset", offset=100.0, layout="transposed"),
+        base.with_(regime="spread", batch=2, layout="sliced", upstream="strided"),
+        base.with_(temperature=0.5, reduction="none", upstream="zero_row0", tied=True),
+        base.with_(hidden_dtype="bf16", weight_dtype="bf16", ignore="chunk", chunk_size=1),
+        base.with_(hidden_dtype="fp32", weight_dtype="bf16", grads="twice"),
+        base.with_(hidden_dtype="fp16", weight_dtype="fp16", ignore="all", reduction="mean"),
+        base.with_(tokens=1, vocab=1, upstream="expanded"),
+        base.with_(tokens=24, batch=2, vocab=257, chunk_size=7),
+    ]
+    for tp in (t for t in tp_sizes if t > 1):
+        specs.append(base.with_(tp=tp, vocab=4 * tp + 1, target="edges", ignore="first"))
+        specs.append(base.with_(tp=tp, vocab=8 * tp, target="high", reduce_hidden=False))
+    return [spec.with_(backend=b) for b in backends for spec in specs]
+
+
 @st.composite
 def invalid_specs(draw: st.DrawFn, *, tp_sizes: tuple[int, ...] = (1,)) -> CaseSpec:
     """A small case with one fault (bad target id, temperature, shape or dtype)."""

@@ -8,21 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
-# Ratio-tier failures up to this many times the allowed bound, with the envelope tier passing.
-RATIO_NOISE_LIMIT = 8.0
+# Dtype keys whose stock baseline B computes logits at the kernel's own precision everywhere.
+SAME_PRECISION_KEYS = ("fp32", "fp64")
 
 
-def ratio_tier_noise(verdict: Any, envelope_ok: bool) -> str:
-    """``ratio-floor``: tier 1 failed but tier 2 passed and the ratio is < RATIO_NOISE_LIMIT.
+def ratio_tier_noise(verdict: Any, envelope_ok: bool, spec: Any) -> str:
+    """``ratio-floor``: tier 1 failed, tier 2 passed, and B has the kernel's precision (fp32/fp64
+    inputs; or the torch backend, whose logits are rounded like B's by design).
 
-    Measured (docs/bench/properties.md): where the baseline has the kernel's precision (fp32, or
-    the same low-precision logits), max|K-R| / max|B-R| is a ratio of two rounding noises; it
-    exceeded alpha = 2 on ~2% of random cases, up to 5.5x, and the floor (``floor * max|R|``) does
-    not absorb it when R is small. 8x leaves room; planted bugs measure 10x to 1e6x.
+    Then max|K-R| / max|B-R| is a ratio of two rounding noises and B can be lucky: measured 2-5x
+    on ~2% of random verdicts, 20x on a 3-token mean loss (B's per-token errors cancelled, K's
+    added), 50x on one peaked token (docs/bench/properties.md). The floor (``floor * max|R|``)
+    does not absorb it when R is small. Where B is less precise by design (Triton with bf16/fp16
+    inputs keeps fp32 logits), tier 1 stays binding.
     """
-    if envelope_ok and verdict.ratio <= RATIO_NOISE_LIMIT:
-        return "ratio-floor"
-    return ""
+    same_precision = spec.backend == "torch" or spec.dtype_key in SAME_PRECISION_KEYS
+    return "ratio-floor" if envelope_ok and same_precision else ""
 
 
 def envelope_shared_with_baseline(

@@ -77,7 +77,7 @@ def tolerance_check(
         return verdict
     envelope = compare(output, kernel, ref, None, tol)
     if verdict.tier == "ratio":
-        return replace(verdict, known=known.ratio_tier_noise(verdict, envelope.passed))
+        return replace(verdict, known=known.ratio_tier_noise(verdict, envelope.passed, spec))
     base_envelope = compare(output, base, ref, None, tol)
     ratio_ok = _ratio_tier_ok(kernel, ref, base, tol)
     tag = known.envelope_shared_with_baseline(envelope.ratio, base_envelope.ratio, ratio_ok)

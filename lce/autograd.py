@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lce.backends.base import ShardStats, StageBackend
+from lce.backends.base import ShardStats, StageBackend, accumulation_dtype
 from lce.tp import VocabShard, merge_stats, reduce_grad_hidden
 from lce.validation import raise_on_bad_targets
 
@@ -112,9 +112,10 @@ class FusedScalarLoss(torch.autograd.Function):
         local = kernel_targets - shard.vocab_start
         owned = (local >= 0) & (local < shard.vocab_local)
         valid_count = (~ignored).sum()
-        scale = 1.0 if reduction == "sum" else 1.0 / valid_count.clamp_min(1)
-        grad_logprob = torch.where(ignored, 0.0, -scale).float()
-        per_token = torch.zeros(2, targets.shape[0], dtype=torch.float32, device=targets.device)
+        acc = accumulation_dtype(weight.dtype)
+        scale = 1.0 if reduction == "sum" else 1.0 / valid_count.clamp_min(1).to(acc)
+        grad_logprob = torch.where(ignored, 0.0, -scale).to(acc)
+        per_token = torch.zeros(2, targets.shape[0], dtype=acc, device=targets.device)
         logprobs, owners = per_token.unbind(0)
 
         def merge(stats: ShardStats, rows: slice) -> tuple[torch.Tensor, ...]:

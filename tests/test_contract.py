@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import lce
-from tests.checks import assert_outputs_match, reference_and_baseline
+from tests.checks import assert_outputs_match, assert_within_tolerance, reference_and_baseline
 from tests.problems import IGNORE, make_problem
 from tests.test_core import BACKENDS, run_lce
+from verify.reference import loss_upstream_grad
 from verify.tolerances import load
 
 T, H, V = 29, 24, 67
@@ -171,3 +172,22 @@ def test_chunk_size_invariance_is_exact_in_fp64():
     bound = load().exact["invariance_fp64"]
     for other in runs[1:]:
         assert (other - runs[0]).abs().max() <= bound * runs[0].abs().max()
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_fp64_scalar_loss_keeps_fp64_and_matches_the_reference(reduction):
+    problem = make_problem(T, H, V, hidden_dtype=torch.float64, seed=10)
+    hidden = problem.hidden.clone().requires_grad_()
+    loss = lce.linear_cross_entropy(hidden, problem.weight, problem.targets, reduction=reduction)
+    loss.backward(torch.tensor(0.4, dtype=torch.float64))
+    valid = problem.targets != IGNORE
+    upstream = loss_upstream_grad(valid, reduction, torch.tensor(0.4, dtype=torch.float64))
+    ref, base = reference_and_baseline(
+        problem.hidden, problem.weight, problem.targets, 1.0, upstream, None
+    )
+    assert hidden.grad.dtype == torch.float64
+    triples = {
+        "loss": (loss, ref.loss(reduction), base.loss(reduction)),
+        "grad_hidden": (hidden.grad, ref.grad_hidden, base.grad_hidden),
+    }
+    assert_within_tolerance(triples, torch.float64, torch.float64)

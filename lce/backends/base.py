@@ -11,6 +11,11 @@ from typing import Protocol
 import torch
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax math and accumulation in fp32; fp64 inputs keep fp64 (exact-invariance checks)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class ShardStats:
     """Per-token softmax statistics of one vocab shard, all fp32 ``[T]``.

@@ -10,18 +10,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from lce.backends.base import ShardStats
+from lce.backends.base import ShardStats, accumulation_dtype
 
 # Elements of one [chunk, V_local] fp32 block: 16 Mi = 64 MiB, so peak stays a few such blocks.
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
 
 # (chunk stats, rows) -> global (row_max, log_sumexp, entropy) of those rows
 GlobalMerge = Callable[[ShardStats, slice], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def _accumulation_dtype(weight: torch.Tensor) -> torch.dtype:
-    """fp32 softmax math and accumulation; fp64 inputs keep fp64 (the exact-invariance checks)."""
-    return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
 class TorchChunkedStages:
@@ -117,7 +112,8 @@ class TorchChunkedStages:
 
 
 def _empty_stats(hidden: torch.Tensor, weight: torch.Tensor) -> ShardStats:
-    out = torch.zeros(4, hidden.shape[0], dtype=_accumulation_dtype(weight), device=hidden.device)
+    acc = accumulation_dtype(weight.dtype)
+    out = torch.zeros(4, hidden.shape[0], dtype=acc, device=hidden.device)
     if weight.shape[0] == 0:
         out[0] = -torch.inf
     return ShardStats(*out.unbind(0))
@@ -126,7 +122,7 @@ def _empty_stats(hidden: torch.Tensor, weight: torch.Tensor) -> ShardStats:
 def _grad_buffers(
     hidden: torch.Tensor, weight: torch.Tensor, need_hidden: bool, need_weight: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    acc = dict(dtype=_accumulation_dtype(weight), device=hidden.device)
+    acc = dict(dtype=accumulation_dtype(weight.dtype), device=hidden.device)
     return (
         torch.zeros(hidden.shape, **acc) if need_hidden else None,
         torch.zeros(weight.shape, **acc) if need_weight else None,
@@ -134,7 +130,7 @@ def _grad_buffers(
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = (hidden @ weight.T).to(_accumulation_dtype(weight))
+    logits = (hidden @ weight.T).to(accumulation_dtype(weight.dtype))
     if temperature != 1.0:
         logits.mul_(1.0 / temperature)
     return logits
@@ -182,8 +178,8 @@ def _chunk_dlogits(
     ``row_stats`` = global (row_max, log_sumexp, entropy): log p = (z - max) - log_sumexp.
     """
     row_max, log_sumexp, entropy = row_stats
-    g_lp = grad_logprob[:, None] / temperature
-    g_ent = grad_entropy[:, None] / temperature
+    g_lp = grad_logprob[:, None].to(z.dtype) / temperature
+    g_ent = grad_entropy[:, None].to(z.dtype) / temperature
     d = z.sub_(row_max[:, None]).sub_(log_sumexp[:, None])  # log p
     p = torch.exp(d)
     # z - E = log p + entropy

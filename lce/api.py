@@ -126,7 +126,7 @@ def _grads_wanted(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 def _stages_and_shard(
     hidden: torch.Tensor, weight: torch.Tensor, options: LCEOptions
 ) -> tuple[StageBackend, VocabShard]:
-    backend = resolve_backend_name(options.backend, hidden.device)
+    backend = resolve_backend_name(options.backend, hidden.device, weight.dtype)
     stages = get_stages(backend, hidden.device, options.chunk_size)
     shard = resolve_shard(options.tp_group, options.vocab_start, weight.shape[0], weight.device)
     return stages, shard

@@ -77,6 +77,10 @@ def test_out_of_range_targets_raise_naming_the_ids(backend):
         (dict(reduction="avg"), "reduction must be one of"),
         (dict(backend="cuda"), "backend must be one of"),
         (dict(chunk_size=0), "chunk_size must be >= 1"),
+        (
+            dict(weight=torch.zeros(5, 8, dtype=torch.float64), backend="triton"),
+            "use backend='torch' \\(or 'auto'\\) for float64",
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, message):

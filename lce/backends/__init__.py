@@ -21,12 +21,21 @@ def _triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_backend_name(backend: str, device: torch.device) -> str:
-    """``auto`` is ``triton`` on CUDA when triton is installed, else ``torch``."""
+def resolve_backend_name(
+    backend: str, device: torch.device, dtype: torch.dtype | None = None
+) -> str:
+    """``auto`` is ``triton`` on CUDA when triton is installed (and inputs are not float64),
+    else ``torch``. ``dtype`` is the weight's: the Triton kernels compute in fp32 at most."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
+        triton_ok = device.type == "cuda" and _triton_usable(device) and dtype != torch.float64
+        return "triton" if triton_ok else "torch"
+    if backend == "triton" and dtype == torch.float64:
+        raise ValueError(
+            "backend='triton' computes in fp32 and does not take float64 weight/hidden; "
+            "use backend='torch' (or 'auto') for float64"
+        )
     if backend == "triton" and not _triton_usable(device):
         raise ValueError(
             "backend='triton' needs the triton package and CUDA tensors, or TRITON_INTERPRET=1 "

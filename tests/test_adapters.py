@@ -106,6 +106,7 @@ def test_capabilities_map_unclaimed_features_away() -> None:
         "both",
     )
     assert (mapped.tied, mapped.chunk_size, mapped.upstream) == (False, None, "logprob_only")
+    assert (mapped.hidden_dtype, mapped.weight_dtype) == ("bf16", "bf16")
     names = properties_for(adapter)
     assert "differential" in names and "ignored_rows" not in names and "reduction" not in names
     gaps = {u.what for u in not_tested(adapter)}

@@ -47,6 +47,8 @@ def coerce(adapter: Adapter, spec: CaseSpec) -> CaseSpec:
     if spec.reduction not in caps.reductions:
         index = REDUCTIONS.index(spec.reduction) % len(caps.reductions)
         changes["reduction"] = caps.reductions[index]
+    if (spec.hidden_dtype, spec.weight_dtype) not in caps.dtype_pairs:
+        changes["hidden_dtype"], changes["weight_dtype"] = caps.dtype_pairs[0]
     if not caps.ignore_index:
         changes["ignore"] = "none"
     if not caps.temperature:

@@ -73,6 +73,11 @@ class PropertyOutcome:
     def passed(self) -> bool:
         return not self.failures
 
+    @property
+    def vacuous(self) -> bool:
+        """Ran, but no generated case gave the property a verdict (nothing was checked)."""
+        return not self.failures and not self.worst_ratio
+
 
 @dataclass
 class ImplReport:
@@ -140,7 +145,12 @@ def check_impl(
                 for f in outcome.failures
             ]
         outcomes.append(outcome)
-    return ImplReport(adapter, profile, outcomes, not_tested(adapter, tp_sizes))
+    untested = not_tested(adapter, tp_sizes) + [
+        Untested(f"property {o.property}", "ran, but no generated case gave it a verdict")
+        for o in outcomes
+        if o.vacuous
+    ]
+    return ImplReport(adapter, profile, outcomes, untested)
 
 
 def _timed(outcome, adapter, name, strategy, runner, profile, max_examples, share, seed) -> None:

@@ -28,6 +28,7 @@ def to_json(report: ImplReport) -> dict[str, Any]:
             {
                 "property": o.property,
                 "passed": o.passed,
+                "vacuous": o.vacuous,
                 "examples": o.examples,
                 "seconds": round(o.seconds, 2),
                 "known": o.known,
@@ -57,13 +58,13 @@ def to_markdown(report: ImplReport) -> str:
         f"- contract: logits {adapter.contract.logits}, outputs {adapter.contract.outputs}; "
         f"profile `{report.profile}`",
         "",
-        "| property | result | examples | seconds | worst passing measured/allowed |",
+        "| property | result | examples | seconds | worst ratio not failed (> 1: known class) |",
         "|---|---|---|---|---|",
     ]
     for o in report.outcomes:
         worst = max(o.worst_ratio.items(), key=lambda kv: kv[1], default=None)
         shown = f"{worst[1]:.3g} ({worst[0]})" if worst else "-"
-        state = "pass" if o.passed else f"FAIL ({len(o.failures)})"
+        state = "no verdict" if o.vacuous else ("pass" if o.passed else f"FAIL ({len(o.failures)})")
         lines.append(f"| {o.property} | {state} | {o.examples} | {o.seconds:.1f} | {shown} |")
     failures = [(o.property, f) for o in report.outcomes for f in o.failures]
     if failures:

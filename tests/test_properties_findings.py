@@ -42,6 +42,15 @@ def test_peaked_row_gradient_as_precise_as_stock_path() -> None:
     assert not failed, "\n".join(failed)
 
 
+@pytest.mark.xfail(strict=True, reason="fp32 peaked rows: grad_weight 2-5x the stock path's error")
+def test_peaked_row_grad_weight_within_fp32_envelope() -> None:
+    # The 20-seed soak's failures all shrink to this class: one fp32 token whose target leads by
+    # 10; loss_grad_weight error 2.5e-6 vs allowed 9.6e-7 (envelope 2.6x, ratio tier 2.1x).
+    spec = CaseSpec(tokens=1, vocab=5, regime="peaked", seed=16383)
+    failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
+    assert not failed, "\n".join(failed)
+
+
 @pytest.fixture(scope="module")
 def pool():
     from verify.distributed import WorkerPool

@@ -34,7 +34,7 @@ def _lce_kwargs(call: Call) -> dict:
     return {
         "ignore_index": call.ignore_index, "temperature": call.temperature,
         "tp_group": call.tp_group, "vocab_start": call.vocab_start, "backend": call.backend,
-        "chunk_size": call.chunk_size,
+        "chunk_size": call.chunk_size, "reduce_grad_hidden": call.reduce_grad_hidden,
     }  # fmt: skip
 
 

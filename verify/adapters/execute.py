@@ -41,65 +41,50 @@ def execute_payload(payload: dict[str, Any], ctx: Any, adapter: Adapter) -> dict
 
 
 def execute(spec: CaseSpec, ctx: Any, adapter: Adapter) -> dict[str, Any]:
-    """This rank's outputs of ``adapter`` on ``spec``, as `verify.properties.job.execute` returns.
+    """This rank's outputs of ``adapter`` on ``spec``, as `verify.properties.job.execute` returns,
+    with the inputs on ``adapter.device``.
 
     Any exception of third-party code is a refusal (``status="raised"``), judged by the properties.
     """
-    problem = build(spec)
+    problem = job.on_device(build(spec), torch.device(adapter.device))
     try:
         return _run(spec, problem, ctx, adapter)
     except Exception as exc:  # a third-party failure is a verdict, not a crash of the search
         return {"status": "raised", "error_type": type(exc).__name__, "error": str(exc)[:500]}
 
 
-def _placed(spec: CaseSpec, problem: Problem, ctx: Any, device: str) -> dict[str, Any]:
-    """The engine's inputs for this rank, moved to ``device`` in the spec's layout."""
-    inputs = job._inputs(spec, problem, ctx)
-    if device == "cpu":
-        return inputs
-    for name in ("hidden", "weight"):
-        tensor = inputs[name]
-        moved = job.with_layout(tensor.detach().to(device), spec.layout)
-        inputs[name] = moved.requires_grad_(tensor.requires_grad)
-    inputs["targets"] = inputs["targets"].to(device)
-    return inputs
-
-
 def _run(spec: CaseSpec, problem: Problem, ctx: Any, adapter: Adapter) -> dict[str, Any]:
-    device = adapter.device
-    inputs = _placed(spec, problem, ctx, device)
+    inputs = job._inputs(spec, problem, ctx)
     leaves = [inputs[k] for k in ("hidden", "weight") if inputs[k].requires_grad]
     before = {k: inputs[k].detach().clone() for k in ("hidden", "weight", "targets")}
-    shape = spec.target_shape()
+    shape, twice = spec.target_shape(), spec.grads == "twice"
 
     def call() -> Call:
         return Call(
             job._head_hidden(spec, problem, inputs), inputs["weight"], inputs["targets"],
             IGNORE_INDEX, inputs["temperature"], ctx.tp_group if spec.tp > 1 else None,
-            inputs["vocab_start"], spec.backend, spec.chunk_size,
+            inputs["vocab_start"], spec.reduce_hidden, spec.backend, spec.chunk_size,
         )  # fmt: skip
-
-    def upstream(grad: torch.Tensor) -> torch.Tensor:
-        return job.upstream_view(grad.to(device), spec, shape)
 
     result: dict[str, Any] = {"status": "ok"}
     with torch.enable_grad() if leaves else torch.no_grad():
         if adapter.token_outputs is not None:
             out = adapter.token_outputs(call())
             result["logprobs"] = out["logprobs"]
-            pairs = [(out["logprobs"], upstream(problem.grad_logprob))]
+            pairs = [(out["logprobs"], job.upstream_view(problem.grad_logprob, spec, shape))]
             if "entropy" in adapter.outputs:
                 result["entropy"] = out["entropy"]
                 if problem.grad_entropy is not None:
-                    pairs.append((out["entropy"], upstream(problem.grad_entropy)))
-            result.update(job._grads(pairs, inputs, leaves, "grad_"))
+                    grad = job.upstream_view(problem.grad_entropy, spec, shape)
+                    pairs.append((out["entropy"], grad))
+            result.update(job._grads(pairs, inputs, leaves, "grad_", twice))
         if adapter.loss is not None:
             loss = adapter.loss(call(), spec.reduction)
             result["loss"] = loss
-            grad = problem.grad_loss.to(device)
+            grad = problem.grad_loss
             if spec.reduction == "none":
-                grad = upstream(problem.grad_loss)
-            result.update(job._grads([(loss, grad)], inputs, leaves, "loss_grad_"))
+                grad = job.upstream_view(grad, spec, shape)
+            result.update(job._grads([(loss, grad)], inputs, leaves, "loss_grad_", twice))
     result["inputs_unchanged"] = all(
         torch.equal(before[k], inputs[k].detach()) and before[k].dtype == inputs[k].dtype
         for k in before

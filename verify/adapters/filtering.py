@@ -59,12 +59,14 @@ def coerce(adapter: Adapter, spec: CaseSpec) -> CaseSpec:
         changes["layout"] = "contiguous"
     if not caps.empty and spec.tokens == 0:
         changes["tokens"] = 1
-    if not caps.frozen:
+    if not caps.frozen and spec.grads != "twice":
         changes["grads"] = "both"
     if not caps.tied:
         changes["tied"] = False
     if not caps.chunk_size:
         changes["chunk_size"] = None
+    if not caps.tensor_parallel:
+        changes["reduce_hidden"] = True
     if "entropy" not in adapter.outputs:
         changes["upstream"] = "logprob_only"  # R's gradients then carry no entropy term either
     return spec.with_(**changes) if changes else spec

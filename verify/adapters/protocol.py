@@ -36,8 +36,10 @@ class Call:
     than ``weight``: cast it like a linear layer would). ``weight``: this rank's rows
     ``[V_local, H]``. ``targets``: global ids shaped like ``hidden`` without its last dim;
     ``ignore_index`` marks ignored tokens. ``tp_group``/``vocab_start``: vocab parallelism (None
-    without TP; ``vocab_start`` None means ``rank * V_local``). ``backend``/``chunk_size``: the
-    spec's values, for implementations that claim them (`Capabilities.backends`, ``chunk_size``).
+    without TP; ``vocab_start`` None means ``rank * V_local``); ``reduce_grad_hidden`` False asks
+    for this rank's partial grad_hidden (the harness sums the ranks', like a reduce-scatter).
+    ``backend``/``chunk_size``: the spec's values, for implementations that claim them
+    (`Capabilities.backends`, ``chunk_size``).
     """
 
     hidden: torch.Tensor
@@ -47,6 +49,7 @@ class Call:
     temperature: float = 1.0
     tp_group: dist.ProcessGroup | None = None
     vocab_start: int | None = None
+    reduce_grad_hidden: bool = True
     backend: str = "torch"
     chunk_size: int | None = None
 

@@ -1,7 +1,6 @@
 """The property engine's ``ci`` profile on the correct implementation: both backends, TP on a pool.
 
-fp64 is searched by the findings tests instead while lce's open fp64 finding stands
-(tests/test_properties_findings.py); everything else runs here under the ``ci`` profile.
+Every dtype pair, every input class of DESIGN.md within `verify.strategies.LOGIT_BOUND`.
 """
 
 from __future__ import annotations

@@ -11,19 +11,17 @@ from verify.engine import check_case
 from verify.spec import CaseSpec
 
 
-@pytest.mark.xfail(strict=True, reason="FusedScalarLoss: fp32 grad_logprob into fp64 logits")
 def test_fp64_scalar_loss_with_grads_runs() -> None:
-    # lce.linear_cross_entropy(reduction='mean'/'sum') on fp64 inputs with grads raises
-    # "scatter(): Expected self.dtype to be equal to src.dtype" (torch backend, fused loss path).
+    # Found by the engine, fixed in lce: reduction='mean'/'sum' on fp64 inputs with grads raised
+    # "scatter(): Expected self.dtype to be equal to src.dtype" (fused loss path).
     spec = CaseSpec(hidden_dtype="fp64", weight_dtype="fp64", reduction="mean")
     failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
     assert not failed, "\n".join(failed)
 
 
-@pytest.mark.xfail(strict=True, reason="fused loss path: fp32 loss for fp64 inputs")
 def test_fp64_loss_dtype_does_not_depend_on_grad_mode() -> None:
-    # The token path keeps fp64 for fp64 inputs (torch backend); the fused scalar-loss path, taken
-    # only when gradients are wanted, returns fp32. Found on T = 0, holds for any T.
+    # Found by the engine, fixed in lce: the fused scalar-loss path (taken only when gradients are
+    # wanted) returned an fp32 loss for fp64 inputs, the token path fp64.
     hidden = torch.zeros(0, 4, dtype=torch.float64)
     weight = torch.ones(3, 4, dtype=torch.float64, requires_grad=True)
     targets = torch.zeros(0, dtype=torch.long)

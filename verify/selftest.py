@@ -27,14 +27,11 @@ SELFTEST_PROPERTIES = (
     "shift_invariance", "entropy_targets", "upstream_linearity", "ignored_rows", "tied_untied",
     "temperature", "reduction",
 )  # fmt: skip
-# fp64 is left out while lce's fused scalar-loss path raises on fp64 inputs (reported; see
-# tests/test_properties_findings.py): its status failures would be counted as kills.
-SELFTEST_PAIRS = tuple(p for p in DTYPE_PAIRS if p != ("fp64", "fp64"))
+SELFTEST_PAIRS = DTYPE_PAIRS
 
 
 def selftest_specs(tp_sizes: tuple[int, ...]) -> st.SearchStrategy[CaseSpec]:
-    """`case_specs` without fp64, where lce has an open finding (tests/test_properties_findings.py)
-    whose failures would count as kills of any mutant."""
+    """`case_specs` at ``tp_sizes`` over every dtype pair (``SELFTEST_PAIRS``)."""
     return case_specs(tp_sizes=tp_sizes, pairs=SELFTEST_PAIRS)
 
 

@@ -1,7 +1,7 @@
 """Replay a failure artifact through the implementation it names (its ``impl`` field).
 
-The same as `verify.replay.replay` (same fingerprints, same `ReplayResult`, same printed summary),
-with the runs routed to the adapter; artifacts without ``impl`` replay on lce.
+`verify.replay.replay` with every run (TP = 1 included) routed to the adapter through `ImplPool`;
+artifacts without ``impl`` replay on lce.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from verify import artifacts
 from verify.adapters.protocol import Adapter
 from verify.adapters.registry import resolve
 from verify.adapters.runner import ImplPool
-from verify.engine import check_case
-from verify.replay import ReplayResult, RunDigest, _RecordingRunner
+from verify.replay import ReplayResult, replay
 
 
 def replay_impl(
@@ -26,17 +25,6 @@ def replay_impl(
 ) -> ReplayResult:
     """Re-run ``artifact``'s properties on its spec ``times`` times through ``impl`` (default:
     the artifact's ``impl``, else ``lce``); TP > 1 specs need ``pool``."""
-    if times < 1:
-        raise ValueError(f"times must be >= 1, got {times}")
     art = artifact if isinstance(artifact, artifacts.Artifact) else artifacts.load(artifact)
     adapter = resolve(impl or art.record.get("impl") or "lce")
-    mutant = art.record.get("mutant")
-    names = art.property_name.split(",")
-    runs = []
-    for _ in range(times):
-        runner = _RecordingRunner(ImplPool(adapter, pool), mutant)
-        runner.pool_for_tp1 = True  # TP = 1 cases too go through ImplPool, i.e. the adapter
-        verdicts = check_case(art.spec, properties=names, runner=runner)
-        records = [artifacts.verdict_record(v) for v in verdicts]
-        runs.append(RunDigest(records, runner.digest.hexdigest()))
-    return ReplayResult(art, art.spec, mutant, runs, artifacts.reference_sha256(art.spec))
+    return replay(art, pool=ImplPool(adapter, pool), times=times, pool_for_tp1=True)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from verify.adapters import Adapter, ImplReport, check_impl, resolve
+if TYPE_CHECKING:  # torch, lce and hypothesis load only when a fixture is used
+    from verify.adapters import Adapter, ImplReport
 
-_REPORTS = pytest.StashKey[list[ImplReport]]()
+_REPORTS = pytest.StashKey[list["ImplReport"]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -49,6 +51,8 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def lce_impl(request: pytest.FixtureRequest) -> Adapter:
     """The `Adapter` named by ``--lce-impl`` (the test is skipped when it is not given)."""
+    from verify.adapters import resolve
+
     ref = request.config.getoption("--lce-impl")
     if ref is None:
         pytest.skip("no implementation selected: pass --lce-impl NAME or module:function")
@@ -59,6 +63,8 @@ def lce_impl(request: pytest.FixtureRequest) -> Adapter:
 def lce_verify(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., ImplReport]:
     """``lce_verify(impl=None, **check_impl_options) -> ImplReport``: searches ``impl`` (default:
     ``--lce-impl``) and fails the test on any failure, naming each verdict and its artifact."""
+    from verify.adapters import check_impl
+
     config = request.config
 
     def verify(impl: str | Adapter | None = None, **options) -> ImplReport:

@@ -21,6 +21,7 @@ from hypothesis.errors import FlakyFailure, Unsatisfiable
 from verify import artifacts
 from verify.adapters.filtering import (
     Untested,
+    backends_for,
     coerce,
     invalid_specs_for,
     not_tested,
@@ -33,6 +34,7 @@ from verify.adapters.runner import adapter_runner
 from verify.engine import PropertyFailure, run_property
 from verify.properties.verdict import PropertyVerdict
 from verify.spec import CaseSpec
+from verify.strategies import landmark_specs
 
 BATCH_EXAMPLES = 20  # examples per seeded batch of a timed search
 MAX_FAILURES = 3  # distinct failures a timed search collects per property
@@ -113,31 +115,37 @@ def check_impl(
     failures_dir: Path | str | None = None,
     seed: int = 0,
     spec_filter: Callable[[CaseSpec], bool] | None = None,
+    landmarks: bool = True,
 ) -> ImplReport:
     """Search ``properties`` (default: all that apply) on ``impl``; TP > 1 needs ``pool``.
 
     ``minutes`` bounds the whole search (shared out among the properties still to run); without
     it each property runs the profile's example count once. Failures are written as artifacts
     into ``failures_dir`` when given. ``spec_filter`` narrows the search (e.g. to leave out a
-    regime with an open, reported finding).
+    regime with an open, reported finding). ``landmarks``: every search starts with the engine's
+    landmark specs (one per input class of DESIGN.md), mapped to what the adapter supports.
     """
     adapter = resolve(impl)
     runner = adapter_runner(adapter, pool)
     tp_sizes = runner.tp_sizes
     names = list(properties) if properties is not None else list(properties_for(adapter, tp_sizes))
     deadline = None if minutes is None else time.monotonic() + 60.0 * minutes
+    keep = spec_filter or (lambda spec: True)
+    firsts = _landmarks(adapter, tp_sizes, keep) if landmarks else []
     outcomes = []
     for index, name in enumerate(names):
         strategy = invalid_specs_for(adapter) if name == "status" else specs_for(adapter, tp_sizes)
-        if spec_filter is not None:
-            strategy = strategy.filter(spec_filter)
+        strategy = strategy.filter(keep)
+        search = _Search(
+            name, strategy, runner, profile, max_examples, [] if name == "status" else firsts
+        )
         outcome = PropertyOutcome(name)
         began = time.monotonic()
         if deadline is None:
-            _batch(outcome, name, strategy, runner, profile, max_examples, None)
+            search.batch(outcome, None)
         else:
             share = max(deadline - began, 0.0) / (len(names) - index)
-            _timed(outcome, adapter, name, strategy, runner, profile, max_examples, share, seed)
+            _timed(outcome, adapter, search, share, seed)
         outcome.seconds = time.monotonic() - began
         if failures_dir is not None:
             outcome.failures = [
@@ -153,39 +161,62 @@ def check_impl(
     return ImplReport(adapter, profile, outcomes, untested)
 
 
-def _timed(outcome, adapter, name, strategy, runner, profile, max_examples, share, seed) -> None:
+def _landmarks(adapter: Adapter, tp_sizes: tuple[int, ...], keep) -> list[CaseSpec]:
+    """The engine's landmark specs mapped to the adapter (duplicates and filtered-out dropped)."""
+    backend = backends_for(adapter)[0]
+    mapped = [coerce(adapter, s.with_(backend=backend)) for s in landmark_specs(tp_sizes)]
+    return [s for i, s in enumerate(mapped) if s not in mapped[:i] and keep(s)]
+
+
+@dataclass
+class _Search:
+    """One property's search settings; `batch` runs it once and merges into an outcome."""
+
+    name: str
+    strategy: Any
+    runner: Any
+    profile: str
+    max_examples: int | None
+    examples: list[CaseSpec]
+
+    def batch(self, outcome: PropertyOutcome, seed: int | None, strategy=None) -> None:
+        """One `run_property` call (the landmarks run in the first one only)."""
+        examples, self.examples = self.examples, []
+        strategy = self.strategy if strategy is None else strategy
+        try:
+            result = run_property(
+                self.name, strategy=strategy, profile=self.profile, runner=self.runner,
+                max_examples=self.max_examples, seed=seed, examples=examples,
+            )  # fmt: skip
+        except FlakyFailure as exc:
+            outcome.failures.append(Failure(flaky_verdicts(exc)))
+            return
+        outcome.examples += result.examples
+        outcome.known += result.known
+        if result.failure:
+            outcome.failures.append(Failure(result.failure))
+        for key, ratio in result.worst_ratio.items():
+            outcome.worst_ratio[key] = max(outcome.worst_ratio.get(key, 0.0), ratio)
+
+
+def _timed(outcome, adapter, search: _Search, share: float, seed: int) -> None:
     """Seeded batches (at least one) until ``share`` seconds are spent or `MAX_FAILURES`
     distinct failures are found."""
     began = time.monotonic()
+    if search.max_examples is None:
+        search.max_examples = BATCH_EXAMPLES
     while len(outcome.failures) < MAX_FAILURES:
         found = [trigger(adapter, f.spec) for f in outcome.failures]
         if any(not t for t in found):
             return  # a failure with no trigger to leave out: every later batch would repeat it
-        search = strategy.filter(lambda s, found=found: not any(_has(s, t) for t in found))
+        narrowed = search.strategy.filter(lambda s, found=found: not any(_has(s, t) for t in found))
         try:
-            _batch(outcome, name, search, runner, profile, max_examples or BATCH_EXAMPLES, seed)
+            search.batch(outcome, seed, narrowed)
         except Unsatisfiable:
             return  # the triggers left out every spec the strategy can draw
         seed += 1
         if time.monotonic() - began >= share:
             return
-
-
-def _batch(outcome, name, strategy, runner, profile, max_examples, seed) -> None:
-    try:
-        result = run_property(
-            name, strategy=strategy, profile=profile, runner=runner,
-            max_examples=max_examples, seed=seed,
-        )  # fmt: skip
-    except FlakyFailure as exc:
-        outcome.failures.append(Failure(flaky_verdicts(exc)))
-        return
-    outcome.examples += result.examples
-    outcome.known += result.known
-    if result.failure:
-        outcome.failures.append(Failure(result.failure))
-    for key, ratio in result.worst_ratio.items():
-        outcome.worst_ratio[key] = max(outcome.worst_ratio.get(key, 0.0), ratio)
 
 
 def flaky_verdicts(exc: FlakyFailure) -> list[PropertyVerdict]:

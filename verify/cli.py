@@ -101,7 +101,17 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         help="comma-separated dtype keys to draw: fp32,bf16,fp16,fp32_bf16,fp64 (all)",
     )
     p.add_argument("--mutant", default=None, help="plant this bug (self-test; see `mutants`)")
+    _add_impl_option(p, "verify this implementation instead of lce's backends")
     p.set_defaults(handler=_cmd_run)
+
+
+def _add_impl_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--impl",
+        default=None,
+        help=f"{what}: lce, lce-torch, lce-triton, torch, liger, cce, cce-exact or module:function"
+        " (see docs/verify-your-kernel.md)",
+    )
 
 
 def _add_replay(sub: argparse._SubParsersAction) -> None:
@@ -117,6 +127,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--without-mutant", action="store_true", help="replay without the artifact's planted bug"
     )
+    _add_impl_option(p, "replay through this implementation (default: the artifact's)")
     p.set_defaults(handler=_cmd_replay)
 
 
@@ -161,6 +172,8 @@ def _add_replay_options(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    if args.impl is not None:
+        return _with_impl(lambda command: command.run_impl(args))
     from verify.campaign import CampaignConfig, run_campaign
 
     config = CampaignConfig(
@@ -205,6 +218,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     loaded = _load_all(args.files, artifacts)
     from verify.replay import KEEP
 
+    if args.impl is not None or any(a.record.get("impl") for a in loaded):
+        return _with_impl(
+            lambda command: command.replay_with_impl(args.files, args.impl, args.times, args.device)
+        )
     mutant = None if args.without_mutant else KEEP
     too_big = _beyond_gpus(loaded, args)
     if too_big:
@@ -314,6 +331,16 @@ def _check_override(artifact, args: argparse.Namespace) -> None:
         artifact.spec.with_(**changes)
     except SpecError as exc:
         raise UsageError(f"{artifact.path}: cannot replay with {changes}: {exc}") from exc
+
+
+def _with_impl(call: Callable) -> int:
+    """Run ``call(verify.adapters.command)``; a bad ``--impl`` is a usage error."""
+    from verify.adapters import AdapterError, command
+
+    try:
+        return call(command)
+    except AdapterError as exc:
+        raise UsageError(f"--impl: {exc}") from exc
 
 
 def _pool_for(tp: int, device: str):

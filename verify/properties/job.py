@@ -113,7 +113,9 @@ def _inputs(spec: CaseSpec, problem: Problem, ctx: Any) -> dict[str, Any]:
     shape = spec.target_shape()
     tied = spec.tied and spec.transform != "untie"
     leaf_hidden = problem.hidden_base if tied else problem.hidden
-    hidden = with_layout(leaf_hidden.view(*shape, spec.hidden_size), spec.layout)
+    # An untied rerun feeds lce a contiguous hidden, as the tied run's base + embedding is.
+    layout = "contiguous" if spec.transform == "untie" else spec.layout
+    hidden = with_layout(leaf_hidden.view(*shape, spec.hidden_size), layout)
     weight = with_layout(problem.weight[start:stop], spec.layout)
     targets = problem.targets.clone()
     temperature = effective_temperature(spec)

@@ -99,14 +99,17 @@ class TorchChunkedStages:
         if weight.shape[0] == 0:
             return stats, grad_hidden, grad_weight
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
-        no_entropy_grad = torch.zeros_like(grad_logprob)
         for rows in self._chunks(hidden.shape[0], weight.shape[0]):
             z = _logits(hidden[rows], weight, temperature)
-            _chunk_stats(z, local[rows], owned[rows], stats, rows, keep_logits=True)
-            d = _chunk_dlogits(
-                z, merge(stats, rows), grad_logprob[rows], no_entropy_grad[rows],
-                local[rows], owned[rows], temperature,
-            )  # fmt: skip
+            e = _chunk_stats(z, local[rows], owned[rows], stats, rows)
+            del z
+            global_max, log_sumexp, _ = merge(stats, rows)
+            # p = exp(z - m_local) * exp(m_local - M - log_sumexp): one multiply, not another exp.
+            to_p = torch.exp(stats.max[rows] - global_max - log_sumexp)
+            g_lp = grad_logprob[rows].to(e.dtype) / temperature
+            d = e.mul_((-g_lp * to_p)[:, None])  # -g_lp * p, then + g_lp at the target
+            target_grad = torch.where(owned[rows], g_lp, torch.zeros_like(g_lp))
+            d.scatter_add_(1, local[rows, None], target_grad[:, None])
             _accumulate(d, hidden, weight, rows, grad_hidden, grad_weight)
         return stats, grad_hidden, grad_weight
 
@@ -151,17 +154,18 @@ def _chunk_stats(
     owned: torch.Tensor,
     stats: ShardStats,
     rows: slice,
-    keep_logits: bool = False,
-) -> None:
-    """Write the chunk's shard stats into ``stats[rows]``; ``z`` is centred in place unless kept."""
+) -> torch.Tensor:
+    """Write the chunk's shard stats into ``stats[rows]``; centres ``z`` in place and returns
+    ``exp(z - shard max)``."""
     picked = z.gather(1, local[:, None]).squeeze(1)
     stats.target_logit[rows] = torch.where(owned, picked, torch.zeros_like(picked))
     row_max = z.amax(dim=1)
     stats.max[rows] = row_max
-    centred = z - row_max[:, None] if keep_logits else z.sub_(row_max[:, None])
-    e = torch.exp(centred)
+    z.sub_(row_max[:, None])
+    e = torch.exp(z)
     stats.sumexp[rows] = e.sum(dim=1)
-    stats.sumexp_z[rows] = (e.unsqueeze(1) @ centred.unsqueeze(2)).view(-1)
+    stats.sumexp_z[rows] = (e.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
+    return e
 
 
 def _chunk_dlogits(
@@ -198,10 +202,14 @@ def _accumulate(
 ) -> None:
     """grad_hidden[rows] = d @ W; grad_weight += d.T @ hidden[rows] (GEMMs in weight's dtype)."""
     d = d.to(weight.dtype)
+    same_dtype = d.dtype == accumulation_dtype(weight.dtype)  # fp32/fp64: write in place
     if grad_hidden is not None:
-        grad_hidden[rows] = d @ weight
+        if same_dtype:
+            torch.mm(d, weight, out=grad_hidden[rows])
+        else:
+            grad_hidden[rows] = d @ weight
     if grad_weight is not None:
-        if d.dtype == grad_weight.dtype:
+        if same_dtype:
             grad_weight.addmm_(d.T, hidden[rows])
         else:
             grad_weight += d.T @ hidden[rows]

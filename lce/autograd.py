@@ -15,6 +15,12 @@ from lce.validation import raise_on_bad_targets
 IGNORED = -1
 
 
+def _kernel_targets(targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ignored, ids)``: int64 ids with ignored rows replaced by `IGNORED`."""
+    ignored = targets == ignore_index
+    return ignored, torch.where(ignored, IGNORED, targets.long())
+
+
 class FusedLogprobEntropy(torch.autograd.Function):
     """``(logprobs, entropy)`` fp32 ``[T]`` of ``log_softmax(hidden @ weight.T / temperature)``.
 
@@ -34,15 +40,12 @@ class FusedLogprobEntropy(torch.autograd.Function):
         reduce_hidden: bool,
         stages: StageBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        ignored = targets == ignore_index
-        kernel_targets = torch.where(ignored, IGNORED, targets.long())
+        ignored, kernel_targets = _kernel_targets(targets, ignore_index)
         compute_hidden = hidden.to(weight.dtype)
         stats = stages.forward_stats(
             compute_hidden, weight, kernel_targets, shard.vocab_start, temperature
         )
-        local = kernel_targets - shard.vocab_start
-        owned = (local >= 0) & (local < shard.vocab_local)
-        merged = merge_stats(stats, owned, shard.group)
+        merged = merge_stats(stats, shard.owns(kernel_targets), shard.group)
         raise_on_bad_targets(targets, merged.owners, ignore_index)
         zero = torch.zeros_like(merged.max)
         logprobs = torch.where(ignored, zero, merged.logprob)
@@ -107,10 +110,8 @@ class FusedScalarLoss(torch.autograd.Function):
         stages: StageBackend,
         reduction: str,
     ) -> torch.Tensor:
-        ignored = targets == ignore_index
-        kernel_targets = torch.where(ignored, IGNORED, targets.long())
-        local = kernel_targets - shard.vocab_start
-        owned = (local >= 0) & (local < shard.vocab_local)
+        ignored, kernel_targets = _kernel_targets(targets, ignore_index)
+        owned = shard.owns(kernel_targets)
         valid_count = (~ignored).sum()
         acc = accumulation_dtype(weight.dtype)
         scale = 1.0 if reduction == "sum" else 1.0 / valid_count.clamp_min(1).to(acc)

@@ -22,9 +22,10 @@ class VocabShard:
     vocab_start: int
     vocab_local: int
 
-    @property
-    def world_size(self) -> int:
-        return 1 if self.group is None else dist.get_world_size(self.group)
+    def owns(self, targets: torch.Tensor) -> torch.Tensor:
+        """bool per target: its global id lies in this shard."""
+        local = targets - self.vocab_start
+        return (local >= 0) & (local < self.vocab_local)
 
 
 def resolve_shard(

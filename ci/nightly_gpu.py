@@ -57,7 +57,7 @@ def plan(out: Path, budget_s: float, gpus: int) -> list[Step]:
         Step("kernel_benchmark", 0.22, [py, "benchmarks/kernel_gpu.py", "--no-sweep",
              "--json", str(out / "kernel_gpu.json")]),
         Step("megatron", 0.06, [py, "ci/gpu_megatron_check.py", "--nprocs", str(min(gpus, 2)),
-             "--backend", "triton"]),
+             "--backend", "triton", "--json", str(out / "megatron.json")]),
         Step("adapters", 0.12, [py, "ci/gpu_adapters.py", "--out", str(out / "adapters"),
              "--minutes", f"{0.12 * budget_s / 60 / 3 * 0.8:.2f}"]),
     ]  # fmt: skip

@@ -108,7 +108,7 @@ def dlogits_chunk(
     of any stride; ``targets`` int64 contiguous.
     """
     (num_tokens, hidden_size), chunk = hidden.shape, weight_chunk.shape[0]
-    tiles = config.backward
+    tiles = config.backward.for_dtype(weight_chunk.dtype)
     grid = (triton.cdiv(num_tokens, tiles.block_t) * triton.cdiv(chunk, tiles.block_v),)
     _dlogits_kernel[grid](
         targets_ptr=targets, max_ptr=row_max, log_sumexp_ptr=log_sumexp, entropy_ptr=entropy,

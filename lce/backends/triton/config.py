@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
+
+import torch
 
 FP32_PRECISIONS = ("ieee", "tf32")
 
@@ -20,6 +23,8 @@ class TileShape:
     ``group`` token tiles are scheduled side by side so they share weight tiles in L2.
     ``max_registers`` caps registers per thread (Triton's ``maxnreg``), e.g. so two programs fit
     on one SM and one's epilogue overlaps the other's matmul; None lets the compiler choose.
+    ``block_h_fp32``: ``block_h`` for 4-byte (fp32) operands, whose tiles take twice the shared
+    memory of bf16 ones; None keeps ``block_h``. See `for_dtype`.
     """
 
     block_t: int
@@ -29,6 +34,13 @@ class TileShape:
     num_warps: int = 8
     num_stages: int = 3
     max_registers: int | None = None
+    block_h_fp32: int | None = None
+
+    def for_dtype(self, dtype: torch.dtype) -> TileShape:
+        """The tile a kernel runs for operands of ``dtype`` (``block_h_fp32`` applied to fp32)."""
+        if dtype != torch.float32 or self.block_h_fp32 is None:
+            return self
+        return dataclasses.replace(self, block_h=self.block_h_fp32, block_h_fp32=None)
 
     def launch_options(self) -> dict[str, int]:
         """Keyword arguments of a kernel launch besides the kernel's own."""
@@ -38,8 +50,10 @@ class TileShape:
         return options
 
     def __post_init__(self) -> None:
-        for name in ("block_t", "block_v", "block_h"):
+        for name in ("block_t", "block_v", "block_h", "block_h_fp32"):
             size = getattr(self, name)
+            if name == "block_h_fp32" and size is None:
+                continue
             if size < 16 or size & (size - 1):
                 raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
         if self.group < 1:
@@ -91,9 +105,16 @@ INTERPRETER_CONFIG = TritonConfig(
 )
 
 # Hopper (H100/H200) bf16, picked by benchmarks/kernel_gpu.py's sweep (see docs/bench/triton.md).
+# fp32 operands at block_h=64 need 256 KiB of shared memory in the forward (TMA loads, compiled
+# for sm_90 by triton 3.9), over Hopper's 227 KiB per block; block_h=32 needs 128 KiB.
+# tests/test_triton_resources.py compiles every dtype and checks the sizes.
 GPU_CONFIG = TritonConfig(
-    forward=TileShape(block_t=128, block_v=256, block_h=64, group=16, num_warps=8, num_stages=3),
-    backward=TileShape(block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=4),
+    forward=TileShape(
+        block_t=128, block_v=256, block_h=64, group=16, num_warps=8, num_stages=3, block_h_fp32=32
+    ),
+    backward=TileShape(
+        block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=4, block_h_fp32=32
+    ),
     tiles_per_program=1,
 )
 

@@ -117,7 +117,7 @@ def forward_partials(
 ) -> torch.Tensor:
     """fp32 ``[4, splits, T]`` partial statistics; needs T >= 1 and V >= 1."""
     (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
-    tiles = config.forward
+    tiles = config.forward.for_dtype(weight.dtype)
     num_vocab_tiles = triton.cdiv(vocab_local, tiles.block_v)
     tiles_per_split = min(config.tiles_per_program, num_vocab_tiles)
     num_splits = triton.cdiv(num_vocab_tiles, tiles_per_split)

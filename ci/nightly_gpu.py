@@ -2,12 +2,14 @@
 
     python ci/nightly_gpu.py --out DIR [--minutes 9]
 
-Steps, each bounded by its share of ``--minutes`` (a step past its share is killed and fails):
-environment, the compiled kernel's stage tests, the ``nightly``
-campaign on both backends at every TP degree the GPUs allow (NCCL),
-the regression corpus and the mutation self-test on the Triton backend, the kernel benchmark, the
-megatron-core check and the peer adapters (Liger, CCE). Writes ``DIR/summary.md``,
-``DIR/summary.json``, ``DIR/nightly.log`` and each step's own files; exits 1 if any step failed.
+Steps: environment, the compiled kernel's stage tests, the kernel benchmark, the megatron-core
+check, the regression corpus and the mutation self-test on the Triton backend, the ``nightly``
+campaign on both backends at every TP degree the GPUs allow (NCCL), and the peer adapters (Liger,
+CCE). Each step may take its share of the time still left (its share over the shares of the steps
+still to run), so time a fast step leaves goes to the later ones; a step past its limit is killed
+and fails. The campaign and the adapters are told their limit and stop inside it. Writes
+``DIR/summary.md``, ``DIR/summary.json``, ``DIR/nightly.log`` and each step's own files; exits 1
+if any step failed.
 """
 
 from __future__ import annotations
@@ -23,43 +25,51 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TAIL_LINES = 30
+MIN_STEP_S = 30.0  # a step always gets this long, even past the budget
 
 
 @dataclass
 class Step:
+    """One command; ``{seconds}`` and ``{minutes_each}`` in ``argv`` become its limit at run time
+    (90% of it in seconds; 80% of it split over the three peer adapters, in minutes)."""
+
     name: str
-    share: float  # of the whole budget
+    share: float  # relative weight when the time left is split
     argv: list[str]
     status: str = "not run"
     seconds: float = 0.0
+    limit: float = 0.0
     tail: str = ""
+
+    def command(self, limit: float) -> list[str]:
+        values = {"seconds": f"{0.9 * limit:.0f}", "minutes_each": f"{0.8 * limit / 3 / 60:.2f}"}
+        return [arg.format(**values) for arg in self.argv]
 
 
 def tp_degrees(gpus: int) -> list[int]:
     return [tp for tp in (1, 2, 4) if tp <= gpus]
 
 
-def plan(out: Path, budget_s: float, gpus: int) -> list[Step]:
+def plan(out: Path, gpus: int) -> list[Step]:
     py = sys.executable
     tps = ",".join(map(str, tp_degrees(gpus)))
     verify = [py, "-m", "verify"]
-    campaign_s = int(0.35 * budget_s * 0.9)  # the campaign stops itself inside its share
     return [
         Step("environment", 0.02, [py, "-c", ENV_PROBE]),
-        Step("kernel_tests", 0.05, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             "tests/test_triton_stages.py"]),
-        Step("campaign", 0.35, [*verify, "run", "--profile", "nightly", "--device", "cuda",
-             "--backends", "triton,torch", "--tp", tps, "--budget-s", str(campaign_s),
-             "--out", str(out / "campaign")]),
-        Step("corpus", 0.06, [*verify, "corpus", "--backend", "triton", "--device", "cuda"]),
+        Step("kernel_tests", 0.06, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             "tests/test_triton_stages.py", "tests/test_triton_resources.py"]),
+        Step("kernel_benchmark", 0.17, [py, "benchmarks/kernel_gpu.py", "--no-sweep",
+             "--json", str(out / "kernel_gpu.json")]),
+        Step("megatron", 0.1, [py, "ci/gpu_megatron_check.py", "--nprocs", str(min(gpus, 2)),
+             "--backend", "triton", "--json", str(out / "megatron.json")]),
+        Step("corpus", 0.1, [*verify, "corpus", "--backend", "triton", "--device", "cuda"]),
         Step("mutants", 0.12, [*verify, "mutants", "--backend", "triton", "--device", "cuda",
              "--tp", tps, "--json", str(out / "mutants.json")]),
-        Step("kernel_benchmark", 0.22, [py, "benchmarks/kernel_gpu.py", "--no-sweep",
-             "--json", str(out / "kernel_gpu.json")]),
-        Step("megatron", 0.06, [py, "ci/gpu_megatron_check.py", "--nprocs", str(min(gpus, 2)),
-             "--backend", "triton", "--json", str(out / "megatron.json")]),
-        Step("adapters", 0.12, [py, "ci/gpu_adapters.py", "--out", str(out / "adapters"),
-             "--minutes", f"{0.12 * budget_s / 60 / 3 * 0.8:.2f}"]),
+        Step("campaign", 0.28, [*verify, "run", "--profile", "nightly", "--device", "cuda",
+             "--backends", "triton,torch", "--tp", tps, "--budget-s", "{seconds}",
+             "--out", str(out / "campaign")]),
+        Step("adapters", 0.15, [py, "ci/gpu_adapters.py", "--out", str(out / "adapters"),
+             "--minutes", "{minutes_each}"]),
     ]  # fmt: skip
 
 
@@ -71,25 +81,37 @@ for i in range(torch.cuda.device_count()):
 """
 
 
-def run_step(step: Step, budget_s: float, log) -> None:
-    limit = max(30.0, step.share * budget_s)
+def run_step(step: Step, limit: float, log) -> None:
+    step.limit = limit
+    argv = step.command(limit)
     began = time.monotonic()
-    log.write(f"\n===== {step.name} (limit {limit:.0f} s): {' '.join(step.argv)}\n")
+    log.write(f"\n===== {step.name} (limit {limit:.0f} s): {' '.join(argv)}\n")
     log.flush()
     try:
         done = subprocess.run(
-            step.argv, cwd=ROOT, timeout=limit, stdout=subprocess.PIPE,
+            argv, cwd=ROOT, timeout=limit, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
         output, step.status = done.stdout, "passed" if done.returncode == 0 else "failed"
     except subprocess.TimeoutExpired as expired:
-        output = expired.stdout if isinstance(expired.stdout, str) else ""
+        # The exception carries bytes whatever ``text`` says (CPython keeps the raw buffer).
+        raw = expired.stdout or b""
+        output = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
         step.status = f"failed: timed out after {limit:.0f} s"
     step.seconds = time.monotonic() - began
     log.write(output)
     log.write(f"\n----- {step.name}: {step.status} in {step.seconds:.1f} s\n")
     log.flush()
     step.tail = "\n".join(output.rstrip().splitlines()[-TAIL_LINES:])
+
+
+def limits_as_we_go(steps: list[Step], budget_s: float):
+    """Yield ``(step, limit)``: the step's share of the time left (at least MIN_STEP_S)."""
+    deadline = time.monotonic() + budget_s
+    for i, step in enumerate(steps):
+        left = deadline - time.monotonic()
+        shares = sum(s.share for s in steps[i:])
+        yield step, max(MIN_STEP_S, left * step.share / shares)
 
 
 def summary_markdown(steps: list[Step], gpus: int, budget_s: float) -> str:
@@ -99,9 +121,9 @@ def summary_markdown(steps: list[Step], gpus: int, budget_s: float) -> str:
         f"{gpus} GPU(s), budget {budget_s / 60:.1f} min, total "
         f"{sum(s.seconds for s in steps) / 60:.1f} min.",
         "",
-        "| step | status | seconds |",
-        "|---|---|---|",
-        *(f"| {s.name} | {s.status} | {s.seconds:.1f} |" for s in steps),
+        "| step | status | seconds | limit |",
+        "|---|---|---|---|",
+        *(f"| {s.name} | {s.status} | {s.seconds:.1f} | {s.limit:.0f} |" for s in steps),
     ]
     for step in steps:
         lines += ["", f"## {step.name}", "", "```", step.tail, "```"]
@@ -122,10 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     budget_s = args.minutes * 60
     skipped = set(filter(None, args.skip.split(",")))
-    steps = [s for s in plan(args.out, budget_s, gpus) if s.name not in skipped]
+    planned = plan(args.out, gpus)
+    unknown = skipped - {s.name for s in planned}
+    if unknown:
+        parser.error(f"--skip: unknown step(s) {sorted(unknown)}; steps: "
+                     f"{', '.join(s.name for s in planned)}")  # fmt: skip
+    steps = [s for s in planned if s.name not in skipped]
     with (args.out / "nightly.log").open("w") as log:
-        for step in steps:
-            run_step(step, budget_s, log)
+        for step, limit in limits_as_we_go(steps, budget_s):
+            run_step(step, limit, log)
     (args.out / "summary.md").write_text(summary_markdown(steps, gpus, budget_s))
     record = {"gpus": gpus, "budget_s": budget_s, "steps": [asdict(s) for s in steps]}
     (args.out / "summary.json").write_text(json.dumps(record, indent=2))

@@ -6,6 +6,9 @@ caught."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -100,3 +103,30 @@ def test_regression_corpus_passes_and_still_catches_its_bugs(pool):
             caught = not replay(artifact, pool=use, times=1).passed
             assert caught, f"{path.name} no longer catches {mutant}: {REGENERATE}"
     assert planted <= set(MUTANTS) and len(planted) >= 10, f"corpus covers {sorted(planted)}"
+
+
+def test_corpus_references_are_current_bit_for_bit():
+    """Every entry's recorded reference sha256 is what R computes now (R changed: refresh them)."""
+    for path in sorted(CORPUS_DIR.glob("*.json")):
+        artifact = artifacts.load(path)
+        assert artifacts.reference_sha256(artifact.spec) == artifact.record["reference_sha256"], (
+            f"{path.name}: stale reference_sha256"
+        )
+
+
+def test_reference_bits_do_not_depend_on_the_cpu_vector_unit():
+    """R is the same bits with ATen's scalar kernels as with its AVX2/AVX-512 ones (a BLAS GEMM or
+    a vectorized reduction is not), so an artifact made on any machine replays its reference."""
+    entries = sorted(CORPUS_DIR.glob("*.json"))
+    script = (
+        "import sys; from verify import artifacts\n"
+        "for p in sys.argv[1:]: print(artifacts.reference_sha256(artifacts.load(p).spec))"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, entries)],
+        env=env, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    scalar = done.stdout.split()
+    here = [artifacts.reference_sha256(artifacts.load(p).spec) for p in entries]
+    assert scalar == here

@@ -278,7 +278,10 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
         raise UsageError(f"--only: unknown mutant(s) {unknown}; known: {', '.join(MUTANTS)}")
     with _pool_for(max(args.tp), args.device) as pool:
         specs = selftest_specs(args.tp).map(lambda spec: spec.with_(backend=args.backend))
-        rows = mutation_table(names, pool=pool, profile=args.profile, strategy=specs)
+        rows = mutation_table(
+            names, pool=pool, profile=args.profile, strategy=specs,
+            pool_for_tp1=args.device == "cuda",
+        )  # fmt: skip
         print(format_table(rows))
         for row in rows:
             if row.killed:

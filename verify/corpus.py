@@ -32,10 +32,12 @@ def save_kill(row: Any, pool: Any | None, directory: Path, device: str = "cpu") 
     if not (row.killed and row.shrunk_spec and row.property):
         return None
     spec = CaseSpec.from_json(row.shrunk_spec)
-    names = [row.property]
-    if any(v.failed for v in check_case(spec, properties=names, runner=Runner(pool))):
+    names, on_gpu = [row.property], device == "cuda"
+    clean = Runner(pool, pool_for_tp1=on_gpu)
+    if any(v.failed for v in check_case(spec, properties=names, runner=clean)):
         return None
-    verdicts = check_case(spec, properties=names, runner=Runner(pool, row.mutant))
+    planted = Runner(pool, row.mutant, pool_for_tp1=on_gpu)
+    verdicts = check_case(spec, properties=names, runner=planted)
     failing = [v for v in verdicts if v.failed]
     if not failing:  # the kill does not reproduce with this property alone
         return None

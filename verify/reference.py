@@ -1,7 +1,12 @@
 """The float64 materialized reference R and the stock low-precision baseline B (tolerance model).
 
-Both materialize the full ``[T, V]`` logits and use autograd. Both see the *same rounded inputs* as
-the kernel: hidden is first cast to weight's dtype (as lce does for the matmul).
+Both materialize the full ``[T, V]`` logits. Both see the *same rounded inputs* as the kernel:
+hidden is first cast to weight's dtype (as lce does for the matmul).
+
+R is the same bits on every machine, so a failure artifact's reference replays bit for bit
+anywhere: every sum is a fixed sequence of IEEE additions (`ordered_sum`), never a BLAS GEMM or a
+vectorized reduction (their order depends on the CPU: AVX2 and AVX-512 give different float64
+bits), and its gradients are closed-form. B is what users run (BLAS, autograd), bits and all.
 """
 
 from __future__ import annotations
@@ -51,13 +56,58 @@ def reference(
 ) -> Reference:
     """R: float64 outputs for ``hidden [T, H]``, the *global* ``weight [V, H]`` and ``targets [T]``.
 
-    Gradients are computed when at least one upstream gradient ``[T]`` is given.
+    Gradients are computed when at least one upstream gradient ``[T]`` is given: those of
+    ``sum(g_lp * logprobs + g_ent * entropy)``, ``d_z = g_lp (onehot - p) - g_ent p (log p + H)``.
     """
-    rounded = hidden.detach().to(weight.dtype).to(torch.float64)
-    return _materialized(
-        rounded, weight.detach().to(torch.float64), targets, ignore_index, temperature,
-        grad_logprob, grad_entropy, math_dtype=torch.float64,
-    )  # fmt: skip
+    h = hidden.detach().to(weight.dtype).to(torch.float64)
+    w = weight.detach().to(torch.float64)
+    z = ordered_matmul(h, w.T) / temperature
+    shifted = z - z.amax(dim=-1, keepdim=True)
+    log_p = shifted - torch.log(ordered_sum(torch.exp(shifted), dim=-1))[:, None]
+    p = torch.exp(log_p)
+    valid = targets != ignore_index
+    safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).long()
+    zero = z.new_zeros(len(targets))
+    logprobs = torch.where(valid, log_p.gather(1, safe_targets[:, None]).squeeze(1), zero)
+    # -sum p log p with p log p -> 0 as p -> 0 (an underflowed p would give 0 * -inf otherwise)
+    plogp = torch.where(p > 0, p * log_p, torch.zeros_like(p))
+    entropy = torch.where(valid, -ordered_sum(plogp, dim=-1), zero)
+    grad_hidden = grad_weight = None
+    if grad_logprob is not None or grad_entropy is not None:
+        g_lp, g_ent = (
+            zero if g is None else torch.where(valid, g.detach().to(torch.float64), zero)
+            for g in (grad_logprob, grad_entropy)
+        )
+        onehot = torch.zeros_like(p).scatter_(1, safe_targets[:, None], 1.0)
+        d_z = g_lp[:, None] * (onehot - p) - g_ent[:, None] * (p * (log_p + entropy[:, None]))
+        d_logits = d_z / temperature
+        grad_hidden, grad_weight = ordered_matmul(d_logits, w), ordered_matmul(d_logits.T, h)
+    return Reference(logprobs, entropy, valid, grad_hidden, grad_weight)
+
+
+# Elements of the [rows, K, N] products `ordered_matmul` holds at once (64 MiB of float64).
+_PRODUCT_ELEMENTS = 1 << 23
+
+
+def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.sum(dim)`` as a fixed pairwise tree of elementwise additions (same bits everywhere)."""
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    x = torch.nn.functional.pad(x, (0, width - n)) if n else x.new_zeros(*x.shape[:-1], 1)
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x.squeeze(-1)
+
+
+def ordered_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (float64 ``[M, K] @ [K, N]``) summed over K by `ordered_sum`, in row blocks."""
+    rows = max(1, _PRODUCT_ELEMENTS // max(1, a.shape[1] * b.shape[1]))
+    blocks = [
+        ordered_sum(a[i : i + rows, :, None] * b[None], dim=1) for i in range(0, a.shape[0], rows)
+    ]
+    return torch.cat(blocks) if blocks else a.new_zeros(0, b.shape[1])
 
 
 def baseline(
@@ -70,29 +120,12 @@ def baseline(
     grad_logprob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
 ) -> Reference:
-    """B: what a user runs instead — logits materialized in weight's dtype, then fp32 softmax.
-
-    Same arguments as `reference`; results come back as float64 for comparison.
+    """B: what a user runs instead — logits materialized in weight's dtype (a BLAS GEMM), then
+    fp32 softmax and autograd. Same arguments as `reference`; results come back as float64.
     """
     math_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    return _materialized(
-        hidden.detach().to(weight.dtype), weight.detach(), targets, ignore_index, temperature,
-        grad_logprob, grad_entropy, math_dtype=math_dtype,
-    )  # fmt: skip
-
-
-def _materialized(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    temperature: float,
-    grad_logprob: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    math_dtype: torch.dtype,
-) -> Reference:
-    h = hidden.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
+    h = hidden.detach().to(weight.dtype).clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
     logp_all = torch.log_softmax((h @ w.T).to(math_dtype) / temperature, dim=-1)
     valid = targets != ignore_index
     safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).long()

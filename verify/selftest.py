@@ -70,17 +70,19 @@ def mutation_table(
     strategy: st.SearchStrategy[CaseSpec] | None = None,
     shrink: bool = True,
     landmarks: bool = True,
+    pool_for_tp1: bool = False,
 ) -> list[KillRow]:
     """One `KillRow` per mutant (default: all). TP mutants need ``pool`` (TP > 1 specs).
 
     With ``shrink``, the search runs first on its own, so its kill is shrunk to a minimal spec;
     a mutant it misses gets a second search that starts from `landmark_specs` (``landmarks``;
     a kill on a landmark itself is not shrunk, and ``on_landmark`` says so). Without ``shrink``,
-    the landmarks run first: the fastest robust kill (the test suite's mode).
+    the landmarks run first: the fastest robust kill (the test suite's mode). ``pool_for_tp1``
+    runs TP = 1 specs on the pool too (GPU: the workers hold the devices).
     """
     rows = []
     for name in mutants or MUTANTS:
-        runner = Runner(pool, mutant=name)
+        runner = Runner(pool, mutant=name, pool_for_tp1=pool_for_tp1)
         search = strategy if strategy is not None else selftest_specs(runner.tp_sizes)
         marks = landmark_specs(runner.tp_sizes) if landmarks else []
         began = time.perf_counter()
@@ -92,20 +94,22 @@ def mutation_table(
             )  # fmt: skip
             if not result.passed or not marks:
                 break
-        rows.append(_row(name, result, pool, properties, marks))
+        rows.append(_row(name, result, Runner(pool, pool_for_tp1=pool_for_tp1), properties, marks))
         rows[-1].seconds = time.perf_counter() - began
     return rows
 
 
-def _row(name: str, result, pool, properties: tuple[str, ...], marks: list[CaseSpec]) -> KillRow:
+def _row(
+    name: str, result, clean: Runner, properties: tuple[str, ...], marks: list[CaseSpec]
+) -> KillRow:
     row = KillRow(name, MUTANTS[name].bug, not result.passed, result.first_failure_at)
     if result.failure:
         first = result.failure[0]
         row.property, row.output, row.shrunk_spec = first.property, first.output, first.spec
         row.measured, row.allowed = first.measured, first.allowed
         row.on_landmark = result.shrunk_spec in marks
-        clean = check_case(result.shrunk_spec, properties=properties, runner=Runner(pool))
-        row.clean_passes = not any(v.failed for v in clean)
+        verdicts = check_case(result.shrunk_spec, properties=properties, runner=clean)
+        row.clean_passes = not any(v.failed for v in verdicts)
     return row
 
 

@@ -124,9 +124,10 @@ def exact_check(
     kernel: torch.Tensor,
     expected: torch.Tensor,
     rel: float = 0.0,
+    atol: float = 0.0,
 ) -> PropertyVerdict:
-    """Normwise ``||kernel - expected|| <= rel * ||expected||`` (``rel = 0``: bit-equal values),
-    with equal NaN/inf patterns; for the exact tier (ignored rows, invariances in fp64)."""
+    """Normwise ``||kernel - expected|| <= rel * ||expected|| + atol * sqrt(n)`` (both 0: bit-equal
+    values), with equal NaN/inf patterns; for the exact tier (ignored rows, invariances in fp64)."""
     k = kernel.detach().to(torch.float64).reshape(-1)
     e = expected.detach().to(torch.float64).reshape(-1)
     if k.shape != e.shape:
@@ -139,9 +140,12 @@ def exact_check(
     finite = torch.isfinite(e)
     k, e = k[finite], e[finite]
     measured = torch.linalg.vector_norm(k - e).item() if k.numel() else 0.0
-    allowed = rel * torch.linalg.vector_norm(e).item() if k.numel() else 0.0
+    allowed = 0.0
+    if k.numel():
+        allowed = rel * torch.linalg.vector_norm(e).item() + atol * math.sqrt(k.numel())
     ratio = 0.0 if measured == 0.0 else (math.inf if allowed == 0.0 else measured / allowed)
-    detail = f"||K-E|| {measured:.3g} <= {rel:g} * ||E||"
+    floor = f" + {atol:g} * sqrt(n)" if atol else ""
+    detail = f"||K-E|| {measured:.3g} <= {rel:g} * ||E||{floor}"
     return PropertyVerdict(
         prop, output, "exact", ratio <= 1.0, measured, allowed, ratio, detail, spec.to_json()
     )

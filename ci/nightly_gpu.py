@@ -42,8 +42,8 @@ class Step:
     tail: str = ""
 
     def command(self, limit: float) -> list[str]:
-        values = {"seconds": f"{0.9 * limit:.0f}", "minutes_each": f"{0.8 * limit / 3 / 60:.2f}"}
-        return [arg.format(**values) for arg in self.argv]
+        values = {"{seconds}": f"{0.9 * limit:.0f}", "{minutes_each}": f"{0.8 * limit / 180:.2f}"}
+        return [values.get(arg, arg) for arg in self.argv]
 
 
 def tp_degrees(gpus: int) -> list[int]:

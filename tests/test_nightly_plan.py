@@ -26,6 +26,8 @@ def test_plan_has_every_step_and_every_tp_degree_the_gpus_allow(tmp_path, gpus):
     campaign = next(s for s in steps if s.name == "campaign").command(100.0)
     assert campaign[campaign.index("--tp") + 1] == ",".join(str(t) for t in (1, 2, 4)[:gpus])
     assert campaign[campaign.index("--budget-s") + 1] == "90"  # 90% of its limit
+    for step in steps:  # every command survives the substitution (the env probe has braces)
+        assert step.command(100.0)
 
 
 def test_limits_split_the_budget_and_roll_unused_time_forward(tmp_path, monkeypatch):

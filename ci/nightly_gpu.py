@@ -56,7 +56,7 @@ def plan(out: Path, gpus: int) -> list[Step]:
     verify = [py, "-m", "verify"]
     return [
         Step("environment", 0.02, [py, "-c", ENV_PROBE]),
-        Step("kernel_tests", 0.06, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        Step("kernel_tests", 0.1, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
              "tests/test_triton_stages.py", "tests/test_triton_resources.py"]),
         Step("kernel_benchmark", 0.17, [py, "benchmarks/kernel_gpu.py", "--no-sweep",
              "--json", str(out / "kernel_gpu.json")]),

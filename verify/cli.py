@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -242,6 +243,7 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
         raise UsageError(f"--dir {args.dir}: holds no *.json artifacts")
     loaded = _load_all(files, artifacts)
     from verify.corpus import plans
+    from verify.mutants import MUTANTS
 
     skipped = _beyond_gpus(loaded, args)
     for artifact in skipped:
@@ -250,7 +252,14 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
     if not loaded:
         print("no corpus entry fits the visible GPUs")
         return EXIT_PASS
-    return _replay_all(loaded, args, plans, times=1, annotate=True)
+    for artifact in loaded:
+        mutant = artifact.record.get("mutant")
+        if mutant and not MUTANTS[mutant].applies_to(args.backend or artifact.spec.backend):
+            print(f"{artifact.path.name}: planted bug {mutant} does not reach backend "
+                  f"{args.backend}: replayed without it only")  # fmt: skip
+    return _replay_all(
+        loaded, args, functools.partial(plans, backend=args.backend), times=1, annotate=True
+    )
 
 
 def _beyond_gpus(loaded: list, args: argparse.Namespace) -> list:
@@ -276,12 +285,19 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in MUTANTS]
     if unknown:
         raise UsageError(f"--only: unknown mutant(s) {unknown}; known: {', '.join(MUTANTS)}")
+    elsewhere = [n for n in names if not MUTANTS[n].applies_to(args.backend)]
+    if elsewhere:
+        print(f"not planted: {', '.join(elsewhere)} (do not reach backend {args.backend})")
+        names = [n for n in names if n not in elsewhere]
     with _pool_for(max(args.tp), args.device) as pool:
         specs = selftest_specs(args.tp).map(lambda spec: spec.with_(backend=args.backend))
-        rows = mutation_table(
-            names, pool=pool, profile=args.profile, strategy=specs,
-            pool_for_tp1=args.device == "cuda",
-        )  # fmt: skip
+        rows = []
+        for name in names:  # one at a time, so a run stopped early still shows what it found
+            rows += mutation_table(
+                [name], pool=pool, profile=args.profile, strategy=specs,
+                pool_for_tp1=args.device == "cuda",
+            )  # fmt: skip
+            print(format_table(rows[-1:]).splitlines()[1], flush=True)
         print(format_table(rows))
         for row in rows:
             if row.killed:

@@ -12,13 +12,19 @@ from typing import Any
 
 from verify import artifacts
 from verify.engine import check_case
+from verify.mutants import MUTANTS
 from verify.properties.runner import Runner
 from verify.spec import CaseSpec
 
 
-def plans(artifact: artifacts.Artifact) -> list[tuple[str | None, bool]]:
-    """``(mutant, must_pass)`` runs of one entry: the fix holds; a planted bug is still caught."""
+def plans(
+    artifact: artifacts.Artifact, backend: str | None = None
+) -> list[tuple[str | None, bool]]:
+    """``(mutant, must_pass)`` runs of one entry on ``backend`` (None: the entry's): the fix holds;
+    a planted bug is still caught, where it reaches that backend (`Mutant.applies_to`)."""
     planted = artifact.record.get("mutant")
+    if planted and not MUTANTS[planted].applies_to(backend or artifact.spec.backend):
+        planted = None
     return [(None, True)] + ([(planted, False)] if planted else [])
 
 

@@ -30,6 +30,11 @@ class Mutant:
     name: str
     bug: str  # the real bug class, one line
     patch: Callable[[], contextlib.AbstractContextManager]
+    backends: tuple[str, ...] = ("torch", "triton")  # where the patched code runs
+
+    def applies_to(self, backend: str | None) -> bool:
+        """Whether planting this mutant changes ``backend`` (None: the spec's own, any)."""
+        return backend is None or backend in self.backends
 
 
 class MutantStages:
@@ -205,8 +210,10 @@ MUTANTS: dict[str, Mutant] = {
                _wrap_stages(EntropyWithoutTemperature)),
         Mutant("grad_weight_bf16_accumulation", "grad_weight accumulated across chunks in bf16",
                _wrap_stages(Bf16GradWeight)),
+        # The Triton kernels test ownership in-kernel: this patch reaches the torch backend only.
         Mutant("shard_boundary_off_by_one", "shard ownership test `<= V_local` (off by one)",
-               lambda: mock.patch.object(torch_chunked, "_local_targets", _off_by_one)),
+               lambda: mock.patch.object(torch_chunked, "_local_targets", _off_by_one),
+               backends=("torch",)),
         Mutant("ignored_rows_not_zeroed", "ignore_index rows computed as target 0, not zeroed",
                lambda: mock.patch.object(lce.api, "_token_outputs", _ignored_not_zeroed)),
         Mutant("int32_offset_wrap", "row * V offsets wrap (int32 overflow, simulated at 2^9)",

@@ -31,7 +31,8 @@ MIN_STEP_S = 30.0  # a step always gets this long, even past the budget
 @dataclass
 class Step:
     """One command; ``{seconds}`` and ``{minutes_each}`` in ``argv`` become its limit at run time
-    (90% of it in seconds; 80% of it split over the three peer adapters, in minutes)."""
+    (90% of it in seconds; 60% of it split over the three peer adapters, in minutes: they
+    start slowly and overrun)."""
 
     name: str
     share: float  # relative weight when the time left is split
@@ -42,7 +43,7 @@ class Step:
     tail: str = ""
 
     def command(self, limit: float) -> list[str]:
-        values = {"{seconds}": f"{0.9 * limit:.0f}", "{minutes_each}": f"{0.8 * limit / 180:.2f}"}
+        values = {"{seconds}": f"{0.9 * limit:.0f}", "{minutes_each}": f"{0.6 * limit / 180:.2f}"}
         return [values.get(arg, arg) for arg in self.argv]
 
 
@@ -56,15 +57,15 @@ def plan(out: Path, gpus: int) -> list[Step]:
     verify = [py, "-m", "verify"]
     return [
         Step("environment", 0.02, [py, "-c", ENV_PROBE]),
-        Step("kernel_tests", 0.1, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             "tests/test_triton_stages.py", "tests/test_triton_resources.py"]),
+        Step("kernel_tests", 0.06, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             "tests/test_triton_stages.py"]),
         Step("kernel_benchmark", 0.17, [py, "benchmarks/kernel_gpu.py", "--no-sweep",
              "--json", str(out / "kernel_gpu.json")]),
         Step("megatron", 0.1, [py, "ci/gpu_megatron_check.py", "--nprocs", str(min(gpus, 2)),
              "--backend", "triton", "--json", str(out / "megatron.json")]),
         Step("corpus", 0.1, [*verify, "corpus", "--backend", "triton", "--device", "cuda"]),
         Step("mutants", 0.12, [*verify, "mutants", "--backend", "triton", "--device", "cuda",
-             "--tp", tps, "--json", str(out / "mutants.json")]),
+             "--tp", tps, "--no-shrink", "--json", str(out / "mutants.json")]),
         Step("campaign", 0.28, [*verify, "run", "--profile", "nightly", "--device", "cuda",
              "--backends", "triton,torch", "--tp", tps, "--budget-s", "{seconds}",
              "--out", str(out / "campaign")]),

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import lce
 from verify.engine import check_case
+from verify.properties.known import ratio_tier_noise
 from verify.spec import CaseSpec
 
 
@@ -68,3 +71,21 @@ def test_peaked_rows_at_tp2_within_fp32_envelope(pool) -> None:
     verdicts = check_case(spec, properties=["differential"], runner=Runner(pool))
     failed = [v.line() for v in verdicts if v.failed]
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize(
+    ("backend", "reduce_hidden", "tp", "output", "known_class"),
+    [
+        ("triton", False, 2, "grad_hidden", "ratio-floor"),  # partials rounded before the sum
+        ("triton", True, 2, "grad_hidden", ""),  # reduced in fp32, rounded once: tier 1 binds
+        ("triton", False, 1, "grad_hidden", ""),  # nothing partial at TP=1
+        ("triton", False, 2, "grad_weight", ""),  # grad_weight is never partial
+    ],
+)
+def test_ratio_floor_class_for_partial_low_precision_grad_hidden(
+    backend, reduce_hidden, tp, output, known_class
+) -> None:
+    spec = SimpleNamespace(backend=backend, dtype_key="bf16", reduce_hidden=reduce_hidden, tp=tp)
+    verdict = SimpleNamespace(output=output)
+    assert ratio_tier_noise(verdict, True, spec) == known_class
+    assert ratio_tier_noise(verdict, False, spec) == ""  # the envelope still binds

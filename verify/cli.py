@@ -157,6 +157,11 @@ def _add_mutants(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="worker device (cpu)")
     p.add_argument("--only", type=_names, default=(), help="comma-separated mutant names (all)")
     p.add_argument(
+        "--no-shrink",
+        action="store_true",
+        help="landmark specs first and no shrinking: the fastest kill (the test suite's mode)",
+    )
+    p.add_argument(
         "--save-corpus",
         type=Path,
         default=None,
@@ -295,7 +300,7 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
         for name in names:  # one at a time, so a run stopped early still shows what it found
             rows += mutation_table(
                 [name], pool=pool, profile=args.profile, strategy=specs,
-                pool_for_tp1=args.device == "cuda",
+                pool_for_tp1=args.device == "cuda", shrink=not args.no_shrink,
             )  # fmt: skip
             print(format_table(rows[-1:]).splitlines()[1], flush=True)
         print(format_table(rows))

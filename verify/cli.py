@@ -284,7 +284,7 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
 
     from verify.corpus import save_kill
     from verify.mutants import MUTANTS
-    from verify.selftest import format_table, mutation_table, selftest_specs
+    from verify.selftest import format_table, mutation_table
 
     names = list(args.only or MUTANTS)
     unknown = [n for n in names if n not in MUTANTS]
@@ -293,13 +293,15 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
     elsewhere = [n for n in names if not MUTANTS[n].applies_to(args.backend)]
     if elsewhere:
         print(f"not planted: {', '.join(elsewhere)} (do not reach backend {args.backend})")
-        names = [n for n in names if n not in elsewhere]
+    wider = [n for n in names if MUTANTS[n].min_tp > max(args.tp)]
+    if wider:
+        print(f"not planted: {', '.join(wider)} (need TP >= 2; --tp {max(args.tp)})")
+    names = [n for n in names if n not in elsewhere and n not in wider]
     with _pool_for(max(args.tp), args.device) as pool:
-        specs = selftest_specs(args.tp).map(lambda spec: spec.with_(backend=args.backend))
         rows = []
         for name in names:  # one at a time, so a run stopped early still shows what it found
             rows += mutation_table(
-                [name], pool=pool, profile=args.profile, strategy=specs,
+                [name], pool=pool, profile=args.profile, backends=(args.backend,),
                 pool_for_tp1=args.device == "cuda", shrink=not args.no_shrink,
             )  # fmt: skip
             print(format_table(rows[-1:]).splitlines()[1], flush=True)

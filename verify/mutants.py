@@ -31,6 +31,7 @@ class Mutant:
     bug: str  # the real bug class, one line
     patch: Callable[[], contextlib.AbstractContextManager]
     backends: tuple[str, ...] = ("torch", "triton")  # where the patched code runs
+    min_tp: int = 1  # the smallest TP degree at which the bug changes anything
 
     def applies_to(self, backend: str | None) -> bool:
         """Whether planting this mutant changes ``backend`` (None: the spec's own, any)."""
@@ -203,9 +204,10 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("grad_output_row0", "only grad_output[0] applied to every row",
                _wrap_stages(_rows(_first_row_only))),
         Mutant("grad_hidden_not_reduced", "grad_hidden not summed over TP ranks",
-               lambda: mock.patch.object(lce.autograd, "reduce_grad_hidden", lambda g, group: g)),
+               lambda: mock.patch.object(lce.autograd, "reduce_grad_hidden", lambda g, group: g),
+               min_tp=2),
         Mutant("foreign_target_zeroes_row", "a target on another rank zeroes that row's gradient",
-               _wrap_stages(_rows(_zero_foreign_rows))),
+               _wrap_stages(_rows(_zero_foreign_rows)), min_tp=2),
         Mutant("entropy_without_temperature", "entropy's sum p*z over logits not divided by T",
                _wrap_stages(EntropyWithoutTemperature)),
         Mutant("grad_weight_bf16_accumulation", "grad_weight accumulated across chunks in bf16",
@@ -213,7 +215,7 @@ MUTANTS: dict[str, Mutant] = {
         # The Triton kernels test ownership in-kernel: this patch reaches the torch backend only.
         Mutant("shard_boundary_off_by_one", "shard ownership test `<= V_local` (off by one)",
                lambda: mock.patch.object(torch_chunked, "_local_targets", _off_by_one),
-               backends=("torch",)),
+               backends=("torch",), min_tp=2),
         Mutant("ignored_rows_not_zeroed", "ignore_index rows computed as target 0, not zeroed",
                lambda: mock.patch.object(lce.api, "_token_outputs", _ignored_not_zeroed)),
         Mutant("int32_offset_wrap", "row * V offsets wrap (int32 overflow, simulated at 2^9)",

@@ -30,9 +30,12 @@ SELFTEST_PROPERTIES = (
 SELFTEST_PAIRS = DTYPE_PAIRS
 
 
-def selftest_specs(tp_sizes: tuple[int, ...]) -> st.SearchStrategy[CaseSpec]:
-    """`case_specs` at ``tp_sizes`` over every dtype pair (``SELFTEST_PAIRS``)."""
-    return case_specs(tp_sizes=tp_sizes, pairs=SELFTEST_PAIRS)
+def selftest_specs(
+    tp_sizes: tuple[int, ...], backends: tuple[str, ...] = ("torch",)
+) -> st.SearchStrategy[CaseSpec]:
+    """`case_specs` at ``tp_sizes`` on ``backends`` over every dtype pair they take
+    (``SELFTEST_PAIRS``)."""
+    return case_specs(tp_sizes=tp_sizes, pairs=SELFTEST_PAIRS, backends=backends)
 
 
 @dataclass
@@ -71,6 +74,7 @@ def mutation_table(
     shrink: bool = True,
     landmarks: bool = True,
     pool_for_tp1: bool = False,
+    backends: tuple[str, ...] = ("torch",),
 ) -> list[KillRow]:
     """One `KillRow` per mutant (default: all). TP mutants need ``pool`` (TP > 1 specs).
 
@@ -78,13 +82,14 @@ def mutation_table(
     a mutant it misses gets a second search that starts from `landmark_specs` (``landmarks``;
     a kill on a landmark itself is not shrunk, and ``on_landmark`` says so). Without ``shrink``,
     the landmarks run first: the fastest robust kill (the test suite's mode). ``pool_for_tp1``
-    runs TP = 1 specs on the pool too (GPU: the workers hold the devices).
+    runs TP = 1 specs on the pool too (GPU: the workers hold the devices). ``backends``: where
+    the default search and the landmarks plant the bugs.
     """
     rows = []
     for name in mutants or MUTANTS:
         runner = Runner(pool, mutant=name, pool_for_tp1=pool_for_tp1)
-        search = strategy if strategy is not None else selftest_specs(runner.tp_sizes)
-        marks = landmark_specs(runner.tp_sizes) if landmarks else []
+        search = strategy if strategy is not None else selftest_specs(runner.tp_sizes, backends)
+        marks = landmark_specs(runner.tp_sizes, backends) if landmarks else []
         began = time.perf_counter()
         attempts = [[], marks] if shrink else [marks]
         for examples in attempts:

@@ -136,8 +136,13 @@ class Bf16GradWeight(MutantStages):
 
     def backward_grads(self, hidden, weight, targets, vocab_start, temperature, *rest):
         *row_stats, g_lp, g_ent, need_h, need_w = rest
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32) if need_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.bfloat16) if need_w else None
+        device = hidden.device
+        grad_hidden = (
+            torch.zeros(hidden.shape, dtype=torch.float32, device=device) if need_h else None
+        )
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.bfloat16, device=device) if need_w else None
+        )
         for start in range(0, hidden.shape[0], BUGGY_CHUNK):
             r = slice(start, start + BUGGY_CHUNK)
             gh, gw = self.inner.backward_grads(

@@ -18,7 +18,7 @@ from verify.cli import CORPUS_DIR
 from verify.distributed import WorkerPool
 from verify.mutants import MUTANTS
 from verify.progress import Progress
-from verify.replay import replay
+from verify.replay import replay, summary_lines
 
 # A mutant whose planting changed may need a new case: the self-test finds and saves them.
 REGENERATE = "regenerate with `python -m verify mutants --save-corpus verify/corpus`"
@@ -70,6 +70,20 @@ def test_replay_fails_the_same_way_bit_for_bit(found, pool):
     assert result.identical  # both runs: same kernel outputs and verdict numbers, bit for bit
     assert result.same_failure  # the recorded outputs fail again with the recorded measurements
     assert result.reference_matches_artifact is True
+
+
+def test_a_differing_reference_names_its_outputs(found, tmp_path):
+    """A replay whose reference differs from the recorded one says which outputs differ."""
+    record = json.loads(artifacts.load(found.artifacts[0]).path.read_text())
+    assert set(record["reference_output_sha256"]) >= {"logprobs", "grad_hidden"}
+    record["reference_sha256"] = "0" * 64
+    record["reference_output_sha256"]["grad_hidden"] = "0" * 16
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(record))
+    result = replay(artifacts.load(tampered), tp=1, mutant=None, times=1)
+    assert result.reference_matches_artifact is False
+    assert result.reference_outputs_differing == ["grad_hidden"]
+    assert "DIFFERS from artifact on grad_hidden" in "\n".join(summary_lines(result))
 
 
 def test_replay_passes_once_the_bug_is_removed(found, pool):

@@ -115,6 +115,23 @@ def reference_sha256(spec: CaseSpec) -> str | None:
     return digest.hexdigest()
 
 
+def reference_output_sha256(spec: CaseSpec) -> dict[str, str] | None:
+    """Per reference output, the first 16 hex digits of its sha256 (as in `reference_sha256`),
+    so a replay that differs says where; None when the spec has no reference."""
+    from verify.properties.case import expected
+
+    try:
+        ref = expected(spec).ref
+    except Exception:  # evidence, as above
+        return None
+    out = {}
+    for name, tensor in sorted(ref.items()):
+        digest = hashlib.sha256()
+        update_digest(digest, {name: tensor})
+        out[name] = digest.hexdigest()[:16]
+    return out
+
+
 def update_digest(digest: Any, tensors: dict[str, torch.Tensor]) -> None:
     """Feed name, dtype, shape and raw bytes of each tensor (in name order) into ``digest``."""
     for name in sorted(tensors):
@@ -179,6 +196,7 @@ def make_record(
         "mutant": mutant,
         "examples": examples,
         "reference_sha256": reference_sha256(spec),
+        "reference_output_sha256": reference_output_sha256(spec),
         "versions": versions(),
         "device": device_description(device),
         "tolerances": tolerance_entries(spec.dtype_key, outputs, tolerances or load_tolerances()),

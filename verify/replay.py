@@ -16,6 +16,7 @@ from verify.artifacts import (
     Artifact,
     display_path,
     is_failure,
+    reference_output_sha256,
     reference_sha256,
     update_digest,
     verdict_record,
@@ -51,6 +52,7 @@ class ReplayResult:
     mutant: str | None
     runs: list[RunDigest]
     reference_sha256: str | None
+    reference_outputs: dict[str, str] | None = None
 
     @property
     def passed(self) -> bool:
@@ -70,6 +72,14 @@ class ReplayResult:
         """The reference equals the one recorded in the artifact (None: none recorded)."""
         recorded = self.artifact.record.get("reference_sha256")
         return None if recorded is None else recorded == self.reference_sha256
+
+    @property
+    def reference_outputs_differing(self) -> list[str]:
+        """Reference outputs whose digest differs from the artifact's (artifacts that record
+        them; older ones record only the whole digest)."""
+        recorded = self.artifact.record.get("reference_output_sha256") or {}
+        here = self.reference_outputs or {}
+        return sorted(n for n in recorded.keys() | here.keys() if recorded.get(n) != here.get(n))
 
     @property
     def same_failure(self) -> bool:
@@ -121,7 +131,10 @@ def replay(
         runner = _RecordingRunner(pool, planted, pool_for_tp1)  # type: ignore[arg-type]
         verdicts = check_case(spec, properties=names, runner=runner)
         runs.append(RunDigest([verdict_record(v) for v in verdicts], runner.digest.hexdigest()))
-    return ReplayResult(artifact, spec, planted, runs, reference_sha256(spec))  # type: ignore[arg-type]
+    return ReplayResult(
+        artifact, spec, planted, runs, reference_sha256(spec),  # type: ignore[arg-type]
+        reference_output_sha256(spec),
+    )  # fmt: skip
 
 
 def _key(verdict: dict[str, Any]) -> tuple[str, str, str]:
@@ -138,13 +151,17 @@ def summary_lines(result: ReplayResult, expect_pass: bool | None = None) -> list
     if expect_pass is not None and result.passed != expect_pass:
         expectation = " (UNEXPECTED: " + ("should pass)" if expect_pass else "bug not caught)")
     matches = {True: "matches the artifact", False: "DIFFERS from artifact", None: "not recorded"}
+    match = matches[result.reference_matches_artifact]
+    if result.reference_matches_artifact is False and result.artifact.record.get(
+        "reference_output_sha256"
+    ):
+        match += f" on {', '.join(result.reference_outputs_differing)}"
     lines = [
         f"{display_path(result.artifact.path)}: {outcome}{expectation} "
         f"[{result.artifact.property_name} on {spec.backend} TP={spec.tp}{planted}]",
         f"  runs: {len(result.runs)}, bit-identical: {'yes' if result.identical else 'NO (flaky)'}"
         f"; kernel sha256 {first.kernel_sha256[:16]}",
-        f"  reference sha256 {(result.reference_sha256 or 'none')[:16]} "
-        f"({matches[result.reference_matches_artifact]})",
+        f"  reference sha256 {(result.reference_sha256 or 'none')[:16]} ({match})",
     ]
     if not result.passed and result.artifact.verdicts:
         lines.append(f"  same failure as recorded: {'yes' if result.same_failure else 'no'}")

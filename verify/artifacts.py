@@ -104,11 +104,8 @@ def verdict_record(verdict: Any) -> dict[str, Any]:
 def reference_sha256(spec: CaseSpec) -> str | None:
     """sha256 of the float64 reference outputs of ``spec``: the same at every backend and TP
     degree (None when the spec has no reference, e.g. an invalid input for the status property)."""
-    from verify.properties.case import expected
-
-    try:
-        ref = expected(spec).ref
-    except Exception:  # the reference is evidence, not a requirement: never block saving
+    ref = _reference_outputs(spec)
+    if ref is None:
         return None
     digest = hashlib.sha256()
     update_digest(digest, ref)
@@ -118,11 +115,8 @@ def reference_sha256(spec: CaseSpec) -> str | None:
 def reference_output_sha256(spec: CaseSpec) -> dict[str, str] | None:
     """Per reference output, the first 16 hex digits of its sha256 (as in `reference_sha256`),
     so a replay that differs says where; None when the spec has no reference."""
-    from verify.properties.case import expected
-
-    try:
-        ref = expected(spec).ref
-    except Exception:  # evidence, as above
+    ref = _reference_outputs(spec)
+    if ref is None:
         return None
     out = {}
     for name, tensor in sorted(ref.items()):
@@ -130,6 +124,15 @@ def reference_output_sha256(spec: CaseSpec) -> dict[str, str] | None:
         update_digest(digest, {name: tensor})
         out[name] = digest.hexdigest()[:16]
     return out
+
+
+def _reference_outputs(spec: CaseSpec) -> dict[str, torch.Tensor] | None:
+    from verify.properties.case import expected
+
+    try:
+        return expected(spec).ref
+    except Exception:  # the reference is evidence, not a requirement: never block saving
+        return None
 
 
 def update_digest(digest: Any, tensors: dict[str, torch.Tensor]) -> None:

@@ -248,7 +248,6 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
         raise UsageError(f"--dir {args.dir}: holds no *.json artifacts")
     loaded = _load_all(files, artifacts)
     from verify.corpus import plans
-    from verify.mutants import MUTANTS
 
     skipped = _beyond_gpus(loaded, args)
     for artifact in skipped:
@@ -257,14 +256,13 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
     if not loaded:
         print("no corpus entry fits the visible GPUs")
         return EXIT_PASS
+    plan = functools.partial(plans, backend=args.backend)
     for artifact in loaded:
         mutant = artifact.record.get("mutant")
-        if mutant and not MUTANTS[mutant].applies_to(args.backend or artifact.spec.backend):
+        if mutant and (mutant, False) not in plan(artifact):
             print(f"{artifact.path.name}: planted bug {mutant} does not reach backend "
                   f"{args.backend}: replayed without it only")  # fmt: skip
-    return _replay_all(
-        loaded, args, functools.partial(plans, backend=args.backend), times=1, annotate=True
-    )
+    return _replay_all(loaded, args, plan, times=1, annotate=True)
 
 
 def _beyond_gpus(loaded: list, args: argparse.Namespace) -> list:
@@ -295,7 +293,7 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
         print(f"not planted: {', '.join(elsewhere)} (do not reach backend {args.backend})")
     wider = [n for n in names if MUTANTS[n].min_tp > max(args.tp) and n not in elsewhere]
     if wider:
-        print(f"not planted: {', '.join(wider)} (need TP >= 2; --tp {max(args.tp)})")
+        print(f"not planted: {', '.join(wider)} (need a TP degree above --tp {max(args.tp)})")
     names = [n for n in names if n not in elsewhere and n not in wider]
     with _pool_for(max(args.tp), args.device) as pool:
         rows = []

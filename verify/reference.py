@@ -11,6 +11,7 @@ bits), and its gradients are closed-form. B is what users run (BLAS, autograd), 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,13 +66,9 @@ def reference(
     shifted = z - z.amax(dim=-1, keepdim=True)
     log_p = shifted - torch.log(ordered_sum(torch.exp(shifted), dim=-1))[:, None]
     p = torch.exp(log_p)
-    valid = targets != ignore_index
-    safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).long()
-    zero = z.new_zeros(len(targets))
-    logprobs = torch.where(valid, log_p.gather(1, safe_targets[:, None]).squeeze(1), zero)
-    # -sum p log p with p log p -> 0 as p -> 0 (an underflowed p would give 0 * -inf otherwise)
-    plogp = torch.where(p > 0, p * log_p, torch.zeros_like(p))
-    entropy = torch.where(valid, -ordered_sum(plogp, dim=-1), zero)
+    per_token = _per_token(log_p, p, targets, ignore_index, ordered_sum)
+    logprobs, entropy, valid, safe_targets = per_token
+    zero = torch.zeros_like(logprobs)
     grad_hidden = grad_weight = None
     if grad_logprob is not None or grad_entropy is not None:
         g_lp, g_ent = (
@@ -83,6 +80,26 @@ def reference(
         d_logits = d_z / temperature
         grad_hidden, grad_weight = ordered_matmul(d_logits, w), ordered_matmul(d_logits.T, h)
     return Reference(logprobs, entropy, valid, grad_hidden, grad_weight)
+
+
+def _per_token(
+    log_p: torch.Tensor,
+    p: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    row_sum: Callable,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy, valid, safe_targets) from ``[T, V]`` log-probabilities and ``p``;
+    ignored rows give 0. ``row_sum(x, dim=-1)`` sums the vocabulary (R's fixed order, or B's
+    torch.sum)."""
+    valid = targets != ignore_index
+    safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).long()
+    zero = log_p.new_zeros(len(targets))
+    logprobs = torch.where(valid, log_p.gather(1, safe_targets[:, None]).squeeze(1), zero)
+    # -sum p log p with p log p -> 0 as p -> 0 (an underflowed p would give 0 * -inf otherwise)
+    plogp = torch.where(p > 0, p * log_p, torch.zeros_like(p))
+    entropy = torch.where(valid, -row_sum(plogp, dim=-1), zero)
+    return logprobs, entropy, valid, safe_targets
 
 
 # Elements of the [rows, K, N] products `ordered_matmul` holds at once (64 MiB of float64).
@@ -127,15 +144,9 @@ def baseline(
     h = hidden.detach().to(weight.dtype).clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     logp_all = torch.log_softmax((h @ w.T).to(math_dtype) / temperature, dim=-1)
-    valid = targets != ignore_index
-    safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).long()
-    picked = logp_all.gather(1, safe_targets[:, None]).squeeze(1)
-    # -sum p log p with p log p -> 0 as p -> 0 (an underflowed p would give 0 * -inf otherwise)
-    p = logp_all.exp()
-    plogp = torch.where(p > 0, p * logp_all, torch.zeros_like(p))
-    zero = torch.zeros_like(picked)
-    logprobs = torch.where(valid, picked, zero)
-    entropy = torch.where(valid, -plogp.sum(dim=-1), zero)
+    logprobs, entropy, valid, _ = _per_token(
+        logp_all, logp_all.exp(), targets, ignore_index, torch.sum
+    )
     grad_hidden = grad_weight = None
     if grad_logprob is not None or grad_entropy is not None:
         objective = torch.zeros((), dtype=math_dtype)

@@ -25,13 +25,15 @@ import torch.nn.functional as F
 import triton
 
 import lce
+from lce.backends.base import BackwardRows
 from lce.backends.triton import TileShape, TritonStages
 from lce.backends.triton import config as triton_config
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.forward_kernel import forward_partials
+from lce.tp import merge_stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_triton_stages import reference_grads, reference_stats
+from test_triton_stages import reference_grads, reference_rows, reference_stats
 
 SHAPES = {
     "llama3-8k": (8192, 4096, 128256),
@@ -86,21 +88,17 @@ def check_large(num_tokens=4096, hidden_size=4096, vocab=32257, temperature=0.8)
     upstream = (upstream_[0], upstream_[1])
     stages = TritonStages()
     stats = stages.forward_stats(hidden, weight, targets, 0, temperature)
-    _, ref_lse, ref_expected, ref_target = reference_stats(hidden, weight, targets, 0, temperature)
+    ref_stats = reference_stats(hidden, weight, targets, 0, temperature)
     lse = stats.max.double() + stats.sumexp.double().log()
     expected = stats.max.double() + stats.sumexp_z.double() / stats.sumexp.double()
     result = {
         "shape": [num_tokens, hidden_size, vocab],
-        "lse_max_abs_err": (lse - ref_lse).abs().max().item(),
-        "expected_max_abs_err": (expected - ref_expected).abs().max().item(),
-        "target_max_abs_err": (stats.target_logit.double() - ref_target).abs().max().item(),
+        "lse_max_abs_err": (lse - ref_stats.lse).abs().max().item(),
+        "expected_max_abs_err": (expected - ref_stats.expected).abs().max().item(),
+        "target_max_abs_err": (stats.target_logit.double() - ref_stats.target).abs().max().item(),
     }
-    row_max = stats.max.double()  # max, log_sumexp, entropy from the float64 reference
-    row_stats = (row_max, ref_lse - row_max, ref_lse - ref_expected)
-    grads = stages.backward_grads(
-        hidden, weight, targets, 0, temperature, *(s.float() for s in row_stats),
-        *upstream, True, True,
-    )  # fmt: skip
+    rows = reference_rows(hidden, weight, targets, 0, temperature, upstream)
+    grads = stages.backward_grads(hidden, weight, targets, 0, temperature, rows, True, True)
     ref = reference_grads(hidden, weight, targets, 0, temperature, upstream)
     base = reference_grads(hidden, weight, targets, 0, temperature, upstream, torch.bfloat16)
     ok = max(result["lse_max_abs_err"], result["expected_max_abs_err"]) < 1e-3
@@ -149,9 +147,10 @@ def _sweep_fn(kernel, tile, tpp, tma, data) -> tuple[Callable[[], object], float
         return lambda: forward_partials(hidden, weight, targets, 0, 1.0, cfg), 1.0
     cfg = dataclasses.replace(triton_config.GPU_CONFIG, backward=tile, use_tma=tma)
     width = d_logits.shape[1]
+    rows = BackwardRows(*[ones] * len(dataclasses.fields(BackwardRows)))
 
     def one_chunk():
-        dlogits_chunk(hidden, weight[:width], targets, 0, 1.0, *[ones] * 4, d_logits, cfg)
+        dlogits_chunk(hidden, weight[:width], targets, 0, 1.0, rows, d_logits, cfg)
 
     return one_chunk, weight.shape[0] / width
 
@@ -193,10 +192,14 @@ def breakdown(num_tokens: int, hidden_size: int, vocab: int) -> dict:
     hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"].clamp(min=-1)
     stages = TritonStages()
     stats = stages.forward_stats(hidden, weight, targets, 0, 1.0)
-    log_sumexp = stats.sumexp.log()
-    entropy = log_sumexp - stats.sumexp_z / stats.sumexp
-    upstream = (inp["upstream"], torch.zeros_like(entropy))
-    args = (hidden, weight, targets, 0, 1.0, stats.max, log_sumexp, entropy, *upstream)
+    merged = merge_stats(stats, targets >= 0, None)
+    g_lp = inp["upstream"]
+    g_ent = torch.zeros_like(g_lp)
+    rows = BackwardRows(
+        merged.max, merged.log_sumexp, merged.centred_mean, g_lp, g_ent,
+        merged.target_grad(g_lp, g_ent),
+    )  # fmt: skip
+    args = (hidden, weight, targets, 0, 1.0, rows)
     out = {
         "forward_stats_ms": time_ms(lambda: stages.forward_stats(hidden, weight, targets, 0, 1.0)),
         "backward_grads_ms": time_ms(lambda: stages.backward_grads(*args, True, True)),

@@ -7,8 +7,14 @@ from typing import Any
 
 import torch
 
-from lce.backends.base import ShardStats, StageBackend, accumulation_dtype
-from lce.tp import VocabShard, merge_stats, reduce_grad_hidden
+from lce.backends.base import (
+    BackwardRows,
+    ShardStats,
+    StageBackend,
+    accumulation_dtype,
+    select_rows,
+)
+from lce.tp import GlobalStats, VocabShard, merge_stats, reduce_grad_hidden
 from lce.validation import raise_on_bad_targets
 
 # Kernel-side id of an ignored token: owned by no shard, so it adds nothing anywhere.
@@ -50,9 +56,8 @@ class FusedLogprobEntropy(torch.autograd.Function):
         zero = torch.zeros_like(merged.max)
         logprobs = torch.where(ignored, zero, merged.logprob)
         entropy = torch.where(ignored, zero, merged.entropy)
-        ctx.save_for_backward(
-            compute_hidden, weight, kernel_targets, merged.max, merged.log_sumexp, merged.entropy
-        )
+        saved_stats = (getattr(merged, f.name) for f in fields(GlobalStats))
+        ctx.save_for_backward(compute_hidden, weight, kernel_targets, *saved_stats)
         ctx.hidden_dtype = hidden.dtype
         ctx.settings = (temperature, shard, reduce_hidden, stages)
         return logprobs, entropy
@@ -61,25 +66,26 @@ class FusedLogprobEntropy(torch.autograd.Function):
     def backward(
         ctx: Any, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        compute_hidden, weight, kernel_targets, *row_stats = ctx.saved_tensors
+        compute_hidden, weight, kernel_targets, *saved_stats = ctx.saved_tensors
+        merged = GlobalStats(*saved_stats)
         temperature, shard, reduce_hidden, stages = ctx.settings
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         active = kernel_targets != IGNORED
-        zero = torch.zeros_like(row_stats[0])
+        zero = torch.zeros_like(merged.max)
         grad_logprob = zero if grad_logprob is None else torch.where(active, grad_logprob, zero)
         grad_entropy = zero if grad_entropy is None else torch.where(active, grad_entropy, zero)
-        grad_hidden, grad_weight = stages.backward_grads(
-            compute_hidden,
-            weight,
-            kernel_targets,
-            shard.vocab_start,
-            temperature,
-            *row_stats,
+        rows = BackwardRows(
+            merged.max,
+            merged.log_sumexp,
+            merged.centred_mean,
             grad_logprob,
             grad_entropy,
-            need_hidden,
-            need_weight,
+            torch.where(active, merged.target_grad(grad_logprob, grad_entropy), zero),
         )
+        grad_hidden, grad_weight = stages.backward_grads(
+            compute_hidden, weight, kernel_targets, shard.vocab_start, temperature, rows,
+            need_hidden, need_weight,
+        )  # fmt: skip
         if grad_hidden is not None:
             if reduce_hidden:
                 reduce_grad_hidden(grad_hidden, shard.group)
@@ -119,12 +125,11 @@ class FusedScalarLoss(torch.autograd.Function):
         per_token = torch.zeros(2, targets.shape[0], dtype=acc, device=targets.device)
         logprobs, owners = per_token.unbind(0)
 
-        def merge(stats: ShardStats, rows: slice) -> tuple[torch.Tensor, ...]:
-            chunk = ShardStats(*(getattr(stats, f.name)[rows] for f in fields(ShardStats)))
-            merged = merge_stats(chunk, owned[rows], shard.group)
+        def merge(stats: ShardStats, rows: slice) -> GlobalStats:
+            merged = merge_stats(select_rows(stats, rows), owned[rows], shard.group)
             logprobs[rows] = merged.logprob
             owners[rows] = merged.owners
-            return merged.max, merged.log_sumexp, merged.entropy
+            return merged
 
         _, grad_hidden, grad_weight = stages.loss_grads_in_forward(
             hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start, temperature,

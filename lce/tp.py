@@ -1,6 +1,6 @@
 """Vocab-parallel tensor parallelism: the slice of the vocabulary a rank owns, and the collectives.
 
-Forward: one MAX all-reduce of the per-token max, then one packed SUM of (sumexp, sumexp_z, target).
+Forward: one MAX all-reduce of the per-token max, then one packed SUM of the shards' sums.
 Backward: grad_hidden is the SUM over ranks (fp32), unless the caller reduce-scatters it itself.
 """
 
@@ -50,18 +50,40 @@ def resolve_shard(
 
 @dataclass(frozen=True)
 class GlobalStats:
-    """Per-token fp32 ``[T]`` softmax statistics over the whole vocabulary."""
+    """Per-token fp32 ``[T]`` softmax statistics over the whole vocabulary.
+
+    Every field is relative to the row max m, so nothing is rounded at the logits' magnitude, and
+    ``1 - p_y`` is a ratio of two sums rather than a difference that cancels on confident rows.
+    """
 
     max: torch.Tensor  # m, the row max over all shards
     log_sumexp: torch.Tensor  # log sum_j exp(z_j - m): lse = m + log_sumexp, never rounded whole
     target_logit: torch.Tensor
-    entropy: torch.Tensor  # lse - sum_j p_j z_j, computed without cancellation
+    centred_mean: torch.Tensor  # E_p[z] - m
+    target_complement: torch.Tensor  # 1 - p_y = sum_{j != y} exp(z_j - m) / sum_j exp(z_j - m)
     owners: torch.Tensor  # how many shards hold the target id: 1 if valid, 0 if outside [0, V)
 
     @property
+    def entropy(self) -> torch.Tensor:
+        """``lse - E_p[z]``, both centred on m."""
+        return self.log_sumexp - self.centred_mean
+
+    @property
     def logprob(self) -> torch.Tensor:
-        """``z_y - lse``, subtracting the max first so no term is rounded at the logits' size."""
-        return (self.target_logit - self.max) - self.log_sumexp
+        """``z_y - lse``: ``log1p(-(1 - p_y))`` while p_y > 1/2 (exact for confident rows, where
+        ``(z_y - m) - log_sumexp`` carries log_sumexp's rounding), that difference otherwise."""
+        confident = self.target_complement < 0.5
+        return torch.where(
+            confident,
+            torch.log1p(-self.target_complement),
+            (self.target_logit - self.max) - self.log_sumexp,
+        )
+
+    def target_grad(self, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor) -> torch.Tensor:
+        """``d_z`` on the target lane, ``g_lp (1 - p_y) - g_ent p_y (z_y - E[z])``, uncancelled."""
+        p_target = torch.exp(self.logprob)
+        spread = (self.target_logit - self.max) - self.centred_mean
+        return grad_logprob * self.target_complement - grad_entropy * p_target * spread
 
 
 def _require_equal_shards(group: dist.ProcessGroup, vocab_local: int, device: torch.device) -> None:
@@ -93,18 +115,23 @@ def merge_stats(
     # Re-centre sum exp(z - m_r) (z - m_r) on the global max M: add (m_r - M) * sumexp.
     sumexp_z = scale * (stats.sumexp_z + shift * stats.sumexp)
     packed = torch.stack(
-        [stats.sumexp * scale, sumexp_z, stats.target_logit, target_owned.to(sumexp_z.dtype)]
+        [
+            stats.sumexp * scale,
+            sumexp_z,
+            stats.sumexp_others * scale,
+            stats.target_logit,
+            target_owned.to(sumexp_z.dtype),
+        ]
     )
     if group is not None:
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    sumexp, sumexp_z, target_logit, owners = packed.unbind(0)
-    log_sumexp = torch.log(sumexp)
-    centred_expectation = sumexp_z / sumexp
+    sumexp, sumexp_z, sumexp_others, target_logit, owners = packed.unbind(0)
     return GlobalStats(
         max=global_max,
-        log_sumexp=log_sumexp,
+        log_sumexp=torch.log(sumexp),
         target_logit=target_logit,
-        entropy=log_sumexp - centred_expectation,
+        centred_mean=sumexp_z / sumexp,
+        target_complement=sumexp_others / sumexp,
         owners=owners,
     )
 

@@ -43,10 +43,10 @@ def test_peaked_row_gradient_as_precise_as_stock_path() -> None:
     assert not failed, "\n".join(failed)
 
 
-@pytest.mark.xfail(strict=True, reason="fp32 peaked rows: grad_weight 2-5x the stock path's error")
 def test_peaked_row_grad_weight_within_fp32_envelope() -> None:
-    # The 20-seed soak's failures all shrink to this class: one fp32 token whose target leads by
-    # 10; loss_grad_weight error 2.5e-6 vs allowed 9.6e-7 (envelope 2.6x, ratio tier 2.1x).
+    # The 20-seed soak's failures all shrank to this class, fixed in lce: one fp32 token whose
+    # target leads by 10; loss_grad_weight error 2.5e-6 vs allowed 9.6e-7 (envelope 2.6x, ratio
+    # tier 2.1x), from 1 - p_y computed as a difference. It is now a ratio of two sums.
     spec = CaseSpec(tokens=1, vocab=5, regime="peaked", seed=16383)
     failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
     assert not failed, "\n".join(failed)
@@ -60,14 +60,28 @@ def pool():
         yield workers
 
 
-@pytest.mark.xfail(strict=True, reason="fp32 peaked rows at TP=2: loss grad_weight 1.1x envelope")
 def test_peaked_rows_at_tp2_within_fp32_envelope(pool) -> None:
-    # Found by the TP search: passes at TP=1; at TP=2 loss_grad_weight misses the envelope by 1.1x
-    # (1.43e-6 vs 1.31e-6) and the ratio tier by 3.6x. Calibration or TP-merge rounding: for the
-    # lead (docs/bench/properties.md).
+    # Found by the TP search, fixed in lce (same cause as above): at TP=2 loss_grad_weight missed
+    # the envelope by 1.1x (1.43e-6 vs 1.31e-6) and the ratio tier by 3.6x.
     from verify.properties.runner import Runner
 
     spec = CaseSpec(tokens=1, batch=2, vocab=17, regime="peaked", tp=2)
+    verdicts = check_case(spec, properties=["differential"], runner=Runner(pool))
+    failed = [v.line() for v in verdicts if v.failed]
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_confident_rows_as_precise_as_stock_path(pool, backend) -> None:
+    # Found by the CPU campaign, fixed in lce: fp32, scale 10, temperature 0.25, V = 2 split over
+    # TP = 2; 1 - p_y of ~6e-7 rounded at 1 put grad_weight 891x past the ratio tier on Triton
+    # (the torch backend worse), with g_lp = g_ent, where the stock path's errors cancel.
+    from verify.properties.runner import Runner
+
+    spec = CaseSpec(
+        backend=backend, tokens=6, hidden_size=64, vocab=2, scale=10.0, temperature=0.25,
+        ignore="chunk", upstream="scalar", seed=1, tp=2,
+    )  # fmt: skip
     verdicts = check_case(spec, properties=["differential"], runner=Runner(pool))
     failed = [v.line() for v in verdicts if v.failed]
     assert not failed, "\n".join(failed)

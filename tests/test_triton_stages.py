@@ -7,7 +7,10 @@ one rounding every tensor-core path makes. Runs compiled on CUDA, else under TRI
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import fields
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from lce.backends.base import BackwardRows
 from lce.backends.triton import TileShape, TritonConfig, TritonStages
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,8 +31,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def small_config(**changes) -> TritonConfig:
     """Tiles small enough that the test shapes span several tiles, splits and chunks."""
     tile = TileShape(block_t=32, block_v=64, block_h=32, group=2, num_warps=4, num_stages=2)
-    fields = {"forward": tile, "backward": tile, "tiles_per_program": 2, "chunk_bytes": 1 << 20}
-    return TritonConfig(**{**fields, **changes})
+    defaults = {"forward": tile, "backward": tile, "tiles_per_program": 2, "chunk_bytes": 1 << 20}
+    return TritonConfig(**{**defaults, **changes})
 
 
 # (T, H, V_local, vocab_start, temperature): V not a multiple of the tile, V smaller than a tile,
@@ -64,17 +68,47 @@ def reference_logits(hidden, weight, temperature):
     return (hidden.double() @ weight.double().T) / temperature
 
 
-def reference_stats(hidden, weight, targets, vocab_start, temperature):
-    """float64 (max, lse, expected_logit, target_logit) of the shard."""
+class RefStats(NamedTuple):
+    """float64 ``[T]`` statistics of one shard; ``others = sum_{j != y} exp(z_j - max)``."""
+
+    max: torch.Tensor
+    lse: torch.Tensor
+    expected: torch.Tensor  # E_p[z]
+    target: torch.Tensor  # z_y where the shard owns y, else 0
+    others: torch.Tensor
+    owned: torch.Tensor
+
+
+def reference_stats(hidden, weight, targets, vocab_start, temperature) -> RefStats:
     z = reference_logits(hidden, weight, temperature)
     row_max = z.amax(dim=1)
     e = torch.exp(z - row_max[:, None])
     local = targets - vocab_start
     owned = (local >= 0) & (local < z.shape[1])
-    picked = z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
+    lane = local.clamp(0, z.shape[1] - 1)[:, None]
+    picked = z.gather(1, lane).squeeze(1)
+    others = e.scatter(1, lane, torch.where(owned[:, None], 0.0, e.gather(1, lane))).sum(dim=1)
     lse = row_max + torch.log(e.sum(dim=1))
     expected = row_max + (e * (z - row_max[:, None])).sum(dim=1) / e.sum(dim=1)
-    return row_max, lse, expected, torch.where(owned, picked, torch.zeros_like(picked))
+    target = torch.where(owned, picked, torch.zeros_like(picked))
+    return RefStats(row_max, lse, expected, target, others, owned)
+
+
+def reference_rows(hidden, weight, targets, vocab_start, temperature, upstream) -> BackwardRows:
+    """The backward stage's fp32 inputs from float64 statistics (the shard as the whole vocab)."""
+    ref = reference_stats(hidden, weight, targets, vocab_start, temperature)
+    g_lp, g_ent = upstream
+    p_target = torch.exp(ref.target - ref.lse)
+    complement = ref.others / torch.exp(ref.lse - ref.max)
+    target_grad = g_lp.double() * complement - g_ent.double() * p_target * (
+        ref.target - ref.expected
+    )
+    return BackwardRows(
+        *(s.float() for s in (ref.max, ref.lse - ref.max, ref.expected - ref.max)),
+        g_lp,
+        g_ent,
+        torch.where(ref.owned, target_grad, 0.0).float(),
+    )
 
 
 def accumulation_tol(hidden, weight, temperature):
@@ -88,21 +122,25 @@ def accumulation_tol(hidden, weight, temperature):
 
 
 def check_stats(stats, hidden, weight, targets, vocab_start, temperature):
-    ref_max, ref_lse, ref_expected, ref_target = reference_stats(
-        hidden, weight, targets, vocab_start, temperature
-    )
+    ref = reference_stats(hidden, weight, targets, vocab_start, temperature)
     lse = stats.max.double() + torch.log(stats.sumexp.double())
     expected = stats.max.double() + stats.sumexp_z.double() / stats.sumexp.double()
     tol = accumulation_tol(hidden, weight, temperature)
-    for name, got, ref in [
-        ("max", stats.max, ref_max),
-        ("lse", lse, ref_lse),
-        ("expected_logit", expected, ref_expected),
-        ("target_logit", stats.target_logit, ref_target),
+    for name, got, want in [
+        ("max", stats.max, ref.max),
+        ("lse", lse, ref.lse),
+        ("expected_logit", expected, ref.expected),
+        ("target_logit", stats.target_logit, ref.target),
     ]:
-        err = (got.double() - ref).abs()
-        bound = 2 * tol + 8 * 2.0**-24 * (1 + ref.abs())
+        err = (got.double() - want).abs()
+        bound = 2 * tol + 8 * 2.0**-24 * (1 + want.abs())
         assert bool((err <= bound).all()), f"{name}: max err {err.max():.3e}, tol {tol:.3e}"
+    # others is a sum of exps: the logits' error (tol, on both sides of the max) is relative in
+    # it, plus one fp32 rounding per added lane; rows below 1e-30 sit in fp32's subnormal range.
+    others = stats.sumexp_others.double() * torch.exp(stats.max.double() - ref.max)
+    rel_bound = math.expm1(4 * tol + weight.shape[0] * 2.0**-24)
+    err = (others - ref.others).abs()
+    assert bool((err <= rel_bound * ref.others + 1e-30).all()), f"others: max err {err.max():.3e}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -131,7 +169,7 @@ def test_tf32_option_stays_within_tf32_rounding():
     stats = TritonStages(small_config(fp32_precision="tf32")).forward_stats(
         hidden, weight, targets, 0, 1.0
     )
-    _, ref_lse, _, _ = reference_stats(hidden, weight, targets, 0, 1.0)
+    ref_lse = reference_stats(hidden, weight, targets, 0, 1.0).lse
     lse = stats.max.double() + torch.log(stats.sumexp.double())
     # TF32 rounds both operands to 10 mantissa bits: each product within 2^-10 relative, and lse
     # is 1-Lipschitz in the logits, so 2^-10 of the largest |h| @ |w| row sum bounds the error.
@@ -142,7 +180,8 @@ def test_tf32_option_stays_within_tf32_rounding():
 def reference_grads(hidden, weight, targets, vocab_start, temperature, upstream, round_to=None):
     """float64 (grad_hidden, grad_weight); ``round_to`` rounds d_logits first (the baseline)."""
     z = reference_logits(hidden, weight, temperature)
-    _, lse, expected, _ = reference_stats(hidden, weight, targets, vocab_start, temperature)
+    ref = reference_stats(hidden, weight, targets, vocab_start, temperature)
+    lse, expected = ref.lse, ref.expected
     g_lp, g_ent = (g.double()[:, None] for g in upstream)
     p = torch.exp(z - lse[:, None])
     local = targets - vocab_start
@@ -166,11 +205,10 @@ def strided_upstream(targets, seed, expanded_entropy):
 
 
 def run_backward(stages, hidden, weight, targets, vocab_start, temperature, upstream, **need):
-    row_max, lse, expected, _ = reference_stats(hidden, weight, targets, vocab_start, temperature)
-    row_stats = (row_max, lse - row_max, lse - expected)  # max, log_sumexp, entropy
+    rows = reference_rows(hidden, weight, targets, vocab_start, temperature, upstream)
     return stages.backward_grads(
-        hidden, weight, targets, vocab_start, temperature, *(s.float() for s in row_stats),
-        *upstream, need.get("need_hidden", True), need.get("need_weight", True),
+        hidden, weight, targets, vocab_start, temperature, rows,
+        need.get("need_hidden", True), need.get("need_weight", True),
     )  # fmt: skip
 
 
@@ -227,9 +265,9 @@ def test_empty_tokens_or_shard(num_tokens, vocab):
     assert stats.max.shape == (num_tokens,) and bool((stats.max == float("-inf")).all()) == (
         vocab == 0 or num_tokens == 0
     )
-    zeros = torch.zeros(num_tokens, device=DEVICE)
+    rows = BackwardRows(*torch.zeros(len(fields(BackwardRows)), num_tokens, device=DEVICE))
     grad_hidden, grad_weight = stages.backward_grads(
-        hidden, weight, targets, 0, 1.0, zeros, zeros, zeros, zeros, zeros, True, True
+        hidden, weight, targets, 0, 1.0, rows, need_hidden=True, need_weight=True
     )
     assert not grad_hidden.any() and not grad_weight.any()
     assert grad_weight.shape == weight.shape

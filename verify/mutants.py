@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from unittest import mock
 
 import torch
@@ -18,7 +18,7 @@ import lce
 import lce.api
 import lce.autograd
 import lce.backends.torch_chunked as torch_chunked
-from lce.backends.base import ShardStats
+from lce.backends.base import ShardStats, select_rows
 
 PAD_LANES = 16  # padded-lanes mutant: shards padded to a multiple of this many vocab lanes
 WRAP_LIMIT = 1 << 9  # int32-wrap mutant: offsets row * V_local wrap at 2^9 instead of 2^31
@@ -55,18 +55,23 @@ class MutantStages:
         return self.inner.backward_grads(hidden, weight, targets, vocab_start, temperature, *rest)
 
 
-def _recentre(stats: ShardStats, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """sumexp and centred sumexp_z of ``stats`` re-centred on ``new_max`` in their own dtype
-    (so lanes underflow exactly as a kernel computing ``exp(z - new_max)`` would)."""
+def _recentre(stats: ShardStats, new_max: torch.Tensor) -> ShardStats:
+    """``stats`` re-centred on ``new_max`` in their own dtype (so lanes underflow exactly as a
+    kernel computing ``exp(z - new_max)`` would)."""
     shift = stats.max - new_max
     scale = torch.exp(shift)
-    return stats.sumexp * scale, scale * (stats.sumexp_z + shift * stats.sumexp)
+    return replace(
+        stats,
+        max=new_max,
+        sumexp=stats.sumexp * scale,
+        sumexp_z=scale * (stats.sumexp_z + shift * stats.sumexp),
+        sumexp_others=stats.sumexp_others * scale,
+    )
 
 
 class MaxStartsAtZero(MutantStages):
     def bend_stats(self, stats, vocab_local, temperature):
-        new_max = stats.max.clamp_min(0.0)
-        return ShardStats(new_max, *_recentre(stats, new_max), stats.target_logit)
+        return _recentre(stats, stats.max.clamp_min(0.0))
 
 
 class PaddedLanesZero(MutantStages):
@@ -74,18 +79,20 @@ class PaddedLanesZero(MutantStages):
         pad = -vocab_local % PAD_LANES
         if pad == 0:
             return stats
-        new_max = stats.max.clamp_min(0.0)  # pad lanes hold logit 0 instead of -inf
-        sumexp, sumexp_z = _recentre(stats, new_max)
-        lane = torch.exp(-new_max)
-        return ShardStats(
-            new_max, sumexp + pad * lane, sumexp_z + pad * lane * -new_max, stats.target_logit
+        stats = _recentre(stats, stats.max.clamp_min(0.0))  # pad lanes hold logit 0, not -inf
+        lanes = pad * torch.exp(-stats.max)
+        return replace(
+            stats,
+            sumexp=stats.sumexp + lanes,
+            sumexp_z=stats.sumexp_z + lanes * -stats.max,
+            sumexp_others=stats.sumexp_others + lanes,
         )
 
 
 class EntropyWithoutTemperature(MutantStages):
     def bend_stats(self, stats, vocab_local, temperature):
         # sum exp(z - m) (z - m) taken over raw logits: every centred logit is T times too big.
-        return ShardStats(stats.max, stats.sumexp, stats.sumexp_z * temperature, stats.target_logit)
+        return replace(stats, sumexp_z=stats.sumexp_z * temperature)
 
 
 def _rows(fn):
@@ -93,15 +100,14 @@ def _rows(fn):
     to bend the upstream gradients before the real backward."""
 
     class Bent(MutantStages):
-        def backward_grads(self, hidden, weight, targets, vocab_start, temperature, *rest):
-            # rest = (*row_stats, grad_logprob, grad_entropy, need_hidden, need_weight); the
-            # row statistics vary between lce versions, the last four do not.
-            *row_stats, g_lp, g_ent, need_h, need_w = rest
-            g_lp, g_ent = fn(g_lp, g_ent, targets, vocab_start, weight.shape[0])
+        def backward_grads(self, hidden, weight, targets, vocab_start, temperature, rows, *need):
+            g_lp, g_ent = fn(
+                rows.grad_logprob, rows.grad_entropy, targets, vocab_start, weight.shape[0]
+            )
+            bent = replace(rows, grad_logprob=g_lp, grad_entropy=g_ent)
             return self.inner.backward_grads(
-                hidden, weight, targets, vocab_start, temperature,
-                *row_stats, g_lp, g_ent, need_h, need_w,
-            )  # fmt: skip
+                hidden, weight, targets, vocab_start, temperature, bent, *need
+            )
 
     return Bent
 
@@ -134,8 +140,8 @@ class Int32Wrap(MutantStages):
 class Bf16GradWeight(MutantStages):
     """grad_weight accumulated chunk by chunk in a bf16 buffer."""
 
-    def backward_grads(self, hidden, weight, targets, vocab_start, temperature, *rest):
-        *row_stats, g_lp, g_ent, need_h, need_w = rest
+    def backward_grads(self, hidden, weight, targets, vocab_start, temperature, rows, *need):
+        need_h, need_w = need
         device = hidden.device
         grad_hidden = (
             torch.zeros(hidden.shape, dtype=torch.float32, device=device) if need_h else None
@@ -147,7 +153,7 @@ class Bf16GradWeight(MutantStages):
             r = slice(start, start + BUGGY_CHUNK)
             gh, gw = self.inner.backward_grads(
                 hidden[r], weight, targets[r], vocab_start, temperature,
-                *(stat[r] for stat in row_stats), g_lp[r], g_ent[r], need_h, need_w,
+                select_rows(rows, r), need_h, need_w,
             )  # fmt: skip
             if gh is not None:
                 grad_hidden = grad_hidden.to(gh.dtype)

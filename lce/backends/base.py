@@ -5,8 +5,8 @@ A backend works on one rank's vocab shard and never materializes ``[T, V_local]`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
 import torch
 
@@ -24,14 +24,40 @@ class ShardStats:
     ``max = max_j z_j`` (``-inf`` for an empty shard), ``sumexp = sum_j exp(z_j - max)``,
     ``sumexp_z = sum_j exp(z_j - max) * (z_j - max)`` (centred on the shard max, so entropy keeps
     its precision under huge common offsets), ``target_logit = z_y`` if the global target id ``y``
-    lies in ``[vocab_start, vocab_start + V_local)`` else 0. An empty shard gives max = -inf and
-    zeros elsewhere.
+    lies in ``[vocab_start, vocab_start + V_local)`` else 0, ``sumexp_others = sum_{j != y}
+    exp(z_j - max)`` (summed on its own, so ``1 - p_y`` of a confident row does not cancel). An
+    empty shard gives max = -inf and zeros elsewhere.
     """
 
     max: torch.Tensor
     sumexp: torch.Tensor
     sumexp_z: torch.Tensor
     target_logit: torch.Tensor
+    sumexp_others: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BackwardRows:
+    """Per-token fp32 ``[T]`` inputs of the backward stage, global over all shards.
+
+    ``log p_j = (z_j - max) - log_sumexp`` and ``z_j - E[z] = (z_j - max) - centred_mean``, so
+    nothing is rounded at the logits' magnitude. Off the target lane
+    ``d_z = -p * (grad_logprob + grad_entropy * (z - E[z]))``; on it ``d_z = target_grad``,
+    computed per token from the statistics without cancellation (see `lce.tp.GlobalStats`).
+    ``grad_logprob``/``grad_entropy`` may have any stride and are zero on ignored rows.
+    """
+
+    max: torch.Tensor
+    log_sumexp: torch.Tensor
+    centred_mean: torch.Tensor
+    grad_logprob: torch.Tensor
+    grad_entropy: torch.Tensor
+    target_grad: torch.Tensor
+
+
+def select_rows(per_token: Any, rows: slice) -> Any:
+    """The same `ShardStats` or `BackwardRows` for ``rows`` of the tokens only."""
+    return type(per_token)(*(getattr(per_token, f.name)[rows] for f in fields(per_token)))
 
 
 class StageBackend(Protocol):
@@ -63,23 +89,15 @@ class StageBackend(Protocol):
         targets: torch.Tensor,
         vocab_start: int,
         temperature: float,
-        row_max: torch.Tensor,
-        log_sumexp: torch.Tensor,
-        entropy: torch.Tensor,
-        grad_logprob: torch.Tensor,
-        grad_entropy: torch.Tensor,
+        rows: BackwardRows,
         need_hidden: bool,
         need_weight: bool,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Gradients of ``sum_t g_lp[t] * logprob[t] + g_ent[t] * entropy[t]`` for the local shard.
 
-        ``row_max`` (m), ``log_sumexp`` (``log sum_j exp(z_j - m)``) and ``entropy`` are the
-        *global* (all-shard) fp32 ``[T]`` values, kept apart so nothing is rounded at the logits'
-        magnitude: ``log p = (z - m) - log_sumexp`` and ``z - E[z] = log p + entropy``.
-        ``grad_logprob`` and ``grad_entropy`` are fp32 ``[T]`` of any stride (zero on ignored rows).
-        ``d_z = g_lp * (onehot - p) - g_ent * p * (z - E[z])``, ``d_logits = d_z / temperature``.
-        Returns fp32 ``grad_hidden [T, H]`` (this shard's partial sum) and ``grad_weight
-        [V_local, H]`` in fp32 or already in weight's dtype (rounded once from an fp32
-        accumulation), or None where not needed.
+        ``d_z = g_lp * (onehot - p) - g_ent * p * (z - E[z])`` as `BackwardRows` spells it out,
+        ``d_logits = d_z / temperature``. Returns fp32 ``grad_hidden [T, H]`` (this shard's
+        partial sum) and ``grad_weight [V_local, H]`` in fp32 or already in weight's dtype (rounded
+        once from an fp32 accumulation), or None where not needed.
         """
         ...

@@ -7,16 +7,18 @@ math (fp64 for fp64 inputs); grad_weight accumulates across chunks in fp32.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 
 import torch
 
-from lce.backends.base import ShardStats, accumulation_dtype
+from lce.backends.base import BackwardRows, ShardStats, accumulation_dtype, select_rows
+from lce.tp import GlobalStats
 
 # Elements of one [chunk, V_local] fp32 block: 16 Mi = 64 MiB, so peak stays a few such blocks.
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
 
-# (chunk stats, rows) -> global (row_max, log_sumexp, entropy) of those rows
-GlobalMerge = Callable[[ShardStats, slice], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (chunk stats, rows) -> global statistics of those rows
+GlobalMerge = Callable[[ShardStats, slice], GlobalStats]
 
 
 class TorchChunkedStages:
@@ -55,11 +57,7 @@ class TorchChunkedStages:
         targets: torch.Tensor,
         vocab_start: int,
         temperature: float,
-        row_max: torch.Tensor,
-        log_sumexp: torch.Tensor,
-        entropy: torch.Tensor,
-        grad_logprob: torch.Tensor,
-        grad_entropy: torch.Tensor,
+        rows: BackwardRows,
         need_hidden: bool,
         need_weight: bool,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -67,13 +65,10 @@ class TorchChunkedStages:
         if weight.shape[0] == 0:
             return grad_hidden, grad_weight
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
-        for rows in self._chunks(hidden.shape[0], weight.shape[0]):
-            z = _logits(hidden[rows], weight, temperature)
-            d = _chunk_dlogits(
-                z, (row_max[rows], log_sumexp[rows], entropy[rows]), grad_logprob[rows],
-                grad_entropy[rows], local[rows], owned[rows], temperature,
-            )  # fmt: skip
-            _accumulate(d, hidden, weight, rows, grad_hidden, grad_weight)
+        for chunk in self._chunks(hidden.shape[0], weight.shape[0]):
+            z = _logits(hidden[chunk], weight, temperature)
+            d = _chunk_dlogits(z, select_rows(rows, chunk), local[chunk], owned[chunk], temperature)
+            _accumulate(d, hidden, weight, chunk, grad_hidden, grad_weight)
         return grad_hidden, grad_weight
 
     def loss_grads_in_forward(
@@ -103,20 +98,19 @@ class TorchChunkedStages:
             z = _logits(hidden[rows], weight, temperature)
             e = _chunk_stats(z, local[rows], owned[rows], stats, rows)
             del z
-            global_max, log_sumexp, _ = merge(stats, rows)
+            merged = merge(stats, rows)
             # p = exp(z - m_local) * exp(m_local - M - log_sumexp): one multiply, not another exp.
-            to_p = torch.exp(stats.max[rows] - global_max - log_sumexp)
+            to_p = torch.exp(stats.max[rows] - merged.max - merged.log_sumexp)
             g_lp = grad_logprob[rows].to(e.dtype) / temperature
-            d = e.mul_((-g_lp * to_p)[:, None])  # -g_lp * p, then + g_lp at the target
-            target_grad = torch.where(owned[rows], g_lp, torch.zeros_like(g_lp))
-            d.scatter_add_(1, local[rows, None], target_grad[:, None])
+            d = e.mul_((-g_lp * to_p)[:, None])
+            _set_target_lane(d, local[rows], owned[rows], g_lp * merged.target_complement)
             _accumulate(d, hidden, weight, rows, grad_hidden, grad_weight)
         return stats, grad_hidden, grad_weight
 
 
 def _empty_stats(hidden: torch.Tensor, weight: torch.Tensor) -> ShardStats:
     acc = accumulation_dtype(weight.dtype)
-    out = torch.zeros(4, hidden.shape[0], dtype=acc, device=hidden.device)
+    out = torch.zeros(len(fields(ShardStats)), hidden.shape[0], dtype=acc, device=hidden.device)
     if weight.shape[0] == 0:
         out[0] = -torch.inf
     return ShardStats(*out.unbind(0))
@@ -165,31 +159,37 @@ def _chunk_stats(
     e = torch.exp(z)
     stats.sumexp[rows] = e.sum(dim=1)
     stats.sumexp_z[rows] = (e.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
+    picked_exp = e.gather(1, local[:, None]).squeeze(1)
+    # The target lane leaves the sum by a second pass, not by subtraction: sumexp - e_y cancels.
+    _set_target_lane(e, local, owned, torch.zeros_like(picked_exp))
+    stats.sumexp_others[rows] = e.sum(dim=1)
+    _set_target_lane(e, local, owned, picked_exp)
     return e
 
 
 def _chunk_dlogits(
     z: torch.Tensor,
-    row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    grad_logprob: torch.Tensor,
-    grad_entropy: torch.Tensor,
+    rows: BackwardRows,
     local: torch.Tensor,
     owned: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
-    """``d_logits = (g_lp (onehot - p) - g_ent p (z - E)) / temperature``, in ``z``'s buffer.
-
-    ``row_stats`` = global (row_max, log_sumexp, entropy): log p = (z - max) - log_sumexp.
-    """
-    row_max, log_sumexp, entropy = row_stats
-    g_lp = grad_logprob[:, None].to(z.dtype) / temperature
-    g_ent = grad_entropy[:, None].to(z.dtype) / temperature
-    d = z.sub_(row_max[:, None]).sub_(log_sumexp[:, None])  # log p
-    p = torch.exp(d)
-    # z - E = log p + entropy
-    d.add_(entropy[:, None]).mul_(g_ent).add_(g_lp).mul_(p).neg_()
-    d.scatter_add_(1, local[:, None], torch.where(owned[:, None], g_lp, torch.zeros_like(g_lp)))
+    """``d_logits = d_z / temperature`` of the chunk (see `BackwardRows`), in ``z``'s buffer."""
+    g_lp = rows.grad_logprob[:, None].to(z.dtype) / temperature
+    g_ent = rows.grad_entropy[:, None].to(z.dtype) / temperature
+    centred = z.sub_(rows.max[:, None])
+    p = (centred - rows.log_sumexp[:, None]).exp_()
+    d = centred.sub_(rows.centred_mean[:, None]).mul_(g_ent).add_(g_lp).mul_(p).neg_()
+    _set_target_lane(d, local, owned, rows.target_grad.to(z.dtype) / temperature)
     return d
+
+
+def _set_target_lane(
+    values: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, target_values: torch.Tensor
+) -> None:
+    """``values[t, local[t]] = target_values[t]`` on the rows whose target this shard owns."""
+    current = values.gather(1, local[:, None]).squeeze(1)
+    values.scatter_(1, local[:, None], torch.where(owned, target_values, current)[:, None])
 
 
 def _accumulate(

@@ -1,8 +1,7 @@
 """Backward stage, part 1: recompute a ``[T, chunk]`` logits block and write its d_logits.
 
-``d_z = g_lp * (onehot - p) - g_ent * p * (z - E[z])`` in fp32 with ``log p = (z - max) -
-log_sumexp`` and ``z - E[z] = log p + entropy`` (nothing rounded at the logits' magnitude),
-``d_logits = d_z / temp``,
+``d_z = g_lp * (onehot - p) - g_ent * p * (z - E[z])`` in fp32 as `BackwardRows` spells it out
+(centred on the row max; the target lane's value given per token), ``d_logits = d_z / temp``,
 stored once in the weight's dtype so the two gradient GEMMs (`stages`) run on tensor cores. The
 buffer is one vocab chunk, never ``[T, V]`` unless V fits the chunk budget.
 """
@@ -13,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lce.backends.base import BackwardRows
 from lce.backends.triton.config import TritonConfig
 from lce.backends.triton.operands import operand_args
 from lce.backends.triton.tiles import grouped_tile, logits_tile, logits_tile_tma, round_bf16_rne
@@ -25,9 +25,10 @@ def _dlogits_kernel(
     targets_ptr,
     max_ptr,
     log_sumexp_ptr,
-    entropy_ptr,
+    centred_mean_ptr,
     grad_logprob_ptr,
     grad_entropy_ptr,
+    target_grad_ptr,
     dlogits_ptr,
     T,
     C,
@@ -69,14 +70,16 @@ def _dlogits_kernel(
     z = acc * inv_temp
     row_max = tl.load(max_ptr + rows)
     log_sumexp = tl.load(log_sumexp_ptr + rows)
-    entropy = tl.load(entropy_ptr + rows)
+    centred_mean = tl.load(centred_mean_ptr + rows)
     g_lp = tl.load(grad_logprob_ptr + rows * stride_glp)
     g_ent = tl.load(grad_entropy_ptr + rows * stride_gent)
+    target_grad = tl.load(target_grad_ptr + rows)
     local_target = tl.load(targets_ptr + rows) - chunk_start
-    log_p = (z - row_max[:, None]) - log_sumexp[:, None]
-    p = tl.exp(log_p)
-    onehot = tl.where(offs_v[None, :] == local_target[:, None], 1.0, 0.0)
-    d_z = g_lp[:, None] * (onehot - p) - g_ent[:, None] * p * (log_p + entropy[:, None])
+    centred = z - row_max[:, None]
+    p = tl.exp(centred - log_sumexp[:, None])
+    d_z = -p * (g_lp[:, None] + g_ent[:, None] * (centred - centred_mean[:, None]))
+    is_target = offs_v[None, :] == local_target[:, None]
+    d_z = tl.where(is_target, target_grad[:, None], d_z)
     # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed.
     active = (g_lp != 0.0) | (g_ent != 0.0)
     d_logits = tl.where(active[:, None], d_z * inv_temp, 0.0)
@@ -94,27 +97,24 @@ def dlogits_chunk(
     targets: torch.Tensor,
     chunk_start: int,
     temperature: float,
-    row_max: torch.Tensor,
-    log_sumexp: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_logprob: torch.Tensor,
-    grad_entropy: torch.Tensor,
+    rows: BackwardRows,
     out: torch.Tensor,
     config: TritonConfig,
 ) -> None:
     """Write d_logits of vocab rows ``weight_chunk`` (global ids from ``chunk_start``) into ``out``.
 
-    ``out`` is ``[T, C]`` with unit column stride; ``grad_logprob``/``grad_entropy`` fp32 ``[T]``
-    of any stride; ``targets`` int64 contiguous.
+    ``out`` is ``[T, C]`` with unit column stride; ``rows`` fp32, contiguous but for the two
+    upstream gradients (any stride); ``targets`` int64 contiguous.
     """
     (num_tokens, hidden_size), chunk = hidden.shape, weight_chunk.shape[0]
     tiles = config.backward.for_dtype(weight_chunk.dtype)
     grid = (triton.cdiv(num_tokens, tiles.block_t) * triton.cdiv(chunk, tiles.block_v),)
     _dlogits_kernel[grid](
-        targets_ptr=targets, max_ptr=row_max, log_sumexp_ptr=log_sumexp, entropy_ptr=entropy,
-        grad_logprob_ptr=grad_logprob, grad_entropy_ptr=grad_entropy, dlogits_ptr=out,
+        targets_ptr=targets, max_ptr=rows.max, log_sumexp_ptr=rows.log_sumexp,
+        centred_mean_ptr=rows.centred_mean, grad_logprob_ptr=rows.grad_logprob,
+        grad_entropy_ptr=rows.grad_entropy, target_grad_ptr=rows.target_grad, dlogits_ptr=out,
         T=num_tokens, C=chunk, H=hidden_size, chunk_start=chunk_start, inv_temp=1.0 / temperature,
-        stride_glp=grad_logprob.stride(0), stride_gent=grad_entropy.stride(0),
+        stride_glp=rows.grad_logprob.stride(0), stride_gent=rows.grad_entropy.stride(0),
         stride_dt=out.stride(0),
         **operand_args(hidden, weight_chunk, tiles, config.use_tma),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,

@@ -1,10 +1,12 @@
 """Forward stage: vocab-split online softmax over logits tiles, then a merge of the splits.
 
-Each program owns ``block_t`` tokens x ``tiles_per_program`` vocab tiles and writes four fp32
-partials per token (max, sumexp, centred sumexp_z, target logit); `merge_partials` folds the splits.
+Each program owns ``block_t`` tokens x ``tiles_per_program`` vocab tiles and writes the fp32
+`ShardStats` partials of its split per token; `merge_partials` folds the splits.
 """
 
 from __future__ import annotations
+
+from dataclasses import fields
 
 import torch
 import triton
@@ -53,6 +55,7 @@ def _forward_partials_kernel(
     sumexp = tl.zeros((BLOCK_T,), dtype=tl.float32)
     sumexp_z = tl.zeros((BLOCK_T,), dtype=tl.float32)  # sum exp(z - row_max) * (z - row_max)
     target_logit = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    sumexp_others = tl.zeros((BLOCK_T,), dtype=tl.float32)  # the target lane left out
 
     first_tile = pid_s * tiles_per_split
     num_tiles = min(tiles_per_split, tl.cdiv(V, BLOCK_V) - first_tile)
@@ -83,6 +86,7 @@ def _forward_partials_kernel(
         e = tl.where(in_v[None, :], tl.exp(centred), 0.0)
         sumexp_z = scale * (sumexp_z + shift * sumexp) + tl.sum(e * centred, axis=1)
         sumexp = scale * sumexp + tl.sum(e, axis=1)
+        sumexp_others = scale * sumexp_others + tl.sum(tl.where(is_target, 0.0, e), axis=1)
         row_max = new_max
 
     out = partials_ptr + pid_s.to(tl.int64) * T + offs_t
@@ -93,18 +97,24 @@ def _forward_partials_kernel(
     tl.store(out, sumexp_z, mask=in_t)
     out += plane
     tl.store(out, target_logit, mask=in_t)
+    out += plane
+    tl.store(out, sumexp_others, mask=in_t)
 
 
 def merge_partials(partials: torch.Tensor) -> ShardStats:
-    """Fold ``[4, splits, T]`` per-split partials into one `ShardStats` (sumexp_z centred)."""
-    split_max, split_sumexp, split_sumexp_z, split_target = partials.unbind(0)
+    """Fold ``[5, splits, T]`` per-split partials (`ShardStats` order) into one `ShardStats`."""
+    split_max, split_sumexp, split_sumexp_z, split_target, split_others = partials.unbind(0)
     row_max = split_max.amax(dim=0)
     seen = split_max > float("-inf")
     shift = torch.where(seen, split_max - row_max, torch.zeros_like(split_max))
     scale = torch.where(seen, torch.exp(shift), torch.zeros_like(split_max))
-    sumexp = (scale * split_sumexp).sum(dim=0)
-    sumexp_z = (scale * (split_sumexp_z + shift * split_sumexp)).sum(dim=0)
-    return ShardStats(row_max, sumexp, sumexp_z, split_target.sum(dim=0))
+    return ShardStats(
+        max=row_max,
+        sumexp=(scale * split_sumexp).sum(dim=0),
+        sumexp_z=(scale * (split_sumexp_z + shift * split_sumexp)).sum(dim=0),
+        target_logit=split_target.sum(dim=0),
+        sumexp_others=(scale * split_others).sum(dim=0),
+    )
 
 
 def forward_partials(
@@ -115,13 +125,15 @@ def forward_partials(
     temperature: float,
     config: TritonConfig,
 ) -> torch.Tensor:
-    """fp32 ``[4, splits, T]`` partial statistics; needs T >= 1 and V >= 1."""
+    """fp32 ``[5, splits, T]`` partial statistics; needs T >= 1 and V >= 1."""
     (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
     tiles = config.forward.for_dtype(weight.dtype)
     num_vocab_tiles = triton.cdiv(vocab_local, tiles.block_v)
     tiles_per_split = min(config.tiles_per_program, num_vocab_tiles)
     num_splits = triton.cdiv(num_vocab_tiles, tiles_per_split)
-    partials = torch.empty(4, num_splits, num_tokens, dtype=torch.float32, device=hidden.device)
+    partials = torch.empty(
+        len(fields(ShardStats)), num_splits, num_tokens, dtype=torch.float32, device=hidden.device
+    )
     grid = (triton.cdiv(num_tokens, tiles.block_t) * num_splits,)
     _forward_partials_kernel[grid](
         targets_ptr=targets, partials_ptr=partials,

@@ -7,9 +7,11 @@ grad_hidden and write grad_weight in fp32.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
-from lce.backends.base import ShardStats
+from lce.backends.base import BackwardRows, ShardStats
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.config import TritonConfig, default_config
 from lce.backends.triton.forward_kernel import forward_partials, merge_partials
@@ -51,7 +53,9 @@ class TritonStages:
         _check_operands(hidden, weight, targets)
         num_tokens, vocab_local = hidden.shape[0], weight.shape[0]
         if num_tokens == 0 or vocab_local == 0:
-            empty = torch.zeros(4, num_tokens, dtype=torch.float32, device=hidden.device)
+            empty = torch.zeros(
+                len(fields(ShardStats)), num_tokens, dtype=torch.float32, device=hidden.device
+            )
             empty[0] = float("-inf")
             return ShardStats(*empty.unbind(0))
         partials = forward_partials(
@@ -66,11 +70,7 @@ class TritonStages:
         targets: torch.Tensor,
         vocab_start: int,
         temperature: float,
-        row_max: torch.Tensor,
-        log_sumexp: torch.Tensor,
-        entropy: torch.Tensor,
-        grad_logprob: torch.Tensor,
-        grad_entropy: torch.Tensor,
+        rows: BackwardRows,
         need_hidden: bool,
         need_weight: bool,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -92,19 +92,23 @@ class TritonStages:
             return grad_hidden, grad_weight
         width = self._chunk_width(num_tokens, vocab_local, weight.element_size(), config)
         buffer = torch.empty(num_tokens, width, dtype=weight.dtype, device=hidden.device)
-        row_stats = tuple(s.float().contiguous() for s in (row_max, log_sumexp, entropy))
-        upstream = (grad_logprob.float(), grad_entropy.float())
+        rows = BackwardRows(
+            *(s.float().contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
+            rows.grad_logprob.float(),
+            rows.grad_entropy.float(),
+            rows.target_grad.float().contiguous(),
+        )
         for start in range(0, vocab_local, width):
-            rows = slice(start, min(start + width, vocab_local))
-            d_logits = buffer[:, : rows.stop - start]
+            chunk = slice(start, min(start + width, vocab_local))
+            d_logits = buffer[:, : chunk.stop - start]
             dlogits_chunk(
-                hidden, weight[rows], targets.contiguous(), vocab_start + start, temperature,
-                *row_stats, *upstream, d_logits, config,
+                hidden, weight[chunk], targets.contiguous(), vocab_start + start, temperature,
+                rows, d_logits, config,
             )  # fmt: skip
             if grad_weight is not None:
-                mm_into(d_logits.T, hidden, out=grad_weight[rows])
+                mm_into(d_logits.T, hidden, out=grad_weight[chunk])
             if grad_hidden is not None:
-                addmm_(grad_hidden, d_logits, weight[rows])
+                addmm_(grad_hidden, d_logits, weight[chunk])
         return grad_hidden, grad_weight
 
     @staticmethod

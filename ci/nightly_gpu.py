@@ -30,9 +30,8 @@ MIN_STEP_S = 30.0  # a step always gets this long, even past the budget
 
 @dataclass
 class Step:
-    """One command; ``{seconds}`` and ``{minutes_each}`` in ``argv`` become its limit at run time
-    (90% of it in seconds; 60% of it split over the three peer adapters, in minutes: they
-    start slowly and overrun)."""
+    """One command; ``{seconds}`` and ``{minutes}`` in ``argv`` become 90% of its limit at run
+    time, in seconds and in minutes."""
 
     name: str
     share: float  # relative weight when the time left is split
@@ -43,7 +42,7 @@ class Step:
     tail: str = ""
 
     def command(self, limit: float) -> list[str]:
-        values = {"{seconds}": f"{0.9 * limit:.0f}", "{minutes_each}": f"{0.6 * limit / 180:.2f}"}
+        values = {"{seconds}": f"{0.9 * limit:.0f}", "{minutes}": f"{0.9 * limit / 60:.2f}"}
         return [values.get(arg, arg) for arg in self.argv]
 
 
@@ -70,7 +69,7 @@ def plan(out: Path, gpus: int) -> list[Step]:
              "--backends", "triton,torch", "--tp", tps, "--budget-s", "{seconds}",
              "--out", str(out / "campaign")]),
         Step("adapters", 0.15, [py, "ci/gpu_adapters.py", "--out", str(out / "adapters"),
-             "--minutes", "{minutes_each}"]),
+             "--total-minutes", "{minutes}"]),
     ]  # fmt: skip
 
 

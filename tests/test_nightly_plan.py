@@ -26,6 +26,8 @@ def test_plan_has_every_step_and_every_tp_degree_the_gpus_allow(tmp_path, gpus):
     campaign = next(s for s in steps if s.name == "campaign").command(100.0)
     assert campaign[campaign.index("--tp") + 1] == ",".join(str(t) for t in (1, 2, 4)[:gpus])
     assert campaign[campaign.index("--budget-s") + 1] == "90"  # 90% of its limit
+    adapters = next(s for s in steps if s.name == "adapters").command(100.0)
+    assert adapters[adapters.index("--total-minutes") + 1] == "1.50"
     for step in steps:  # every command survives the substitution (the env probe has braces)
         assert step.command(100.0)
 
@@ -47,3 +49,16 @@ def test_a_step_always_gets_the_minimum(tmp_path, monkeypatch):
     monkeypatch.setattr(nightly.time, "monotonic", lambda: 0.0)
     steps = nightly.plan(tmp_path, 1)
     assert all(limit >= nightly.MIN_STEP_S for _, limit in nightly.limits_as_we_go(steps, 1.0))
+
+
+def test_adapters_left_without_time_are_reported_not_run(tmp_path):
+    """gpu_adapters under --total-minutes: an implementation that would start with less than its
+    JIT start-up cost plus a minimal search left is skipped and reported, and the run exits 0."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("gpu_adapters", ROOT / "ci" / "gpu_adapters.py")
+    adapters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(adapters)
+    assert adapters.main(["--out", str(tmp_path), "--impl", "torch", "--total-minutes", "0.5"]) == 0
+    (record,) = json.loads((tmp_path / "adapters.json").read_text())["implementations"]
+    assert record["impl"] == "torch" and record["skipped"].startswith("not run: 30 s")

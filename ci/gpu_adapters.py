@@ -7,8 +7,9 @@ Defaults: ``liger``, ``cce`` and ``cce-exact`` on a CUDA machine; ``torch`` and 
 a CPU machine (so the script itself is known to work anywhere). ``--minutes`` is each
 implementation's time budget; ``--total-minutes`` bounds the whole run: each implementation then
 gets at most its part of the time left less `STARTUP_S` (peers JIT-compile their kernels for every
-new shape, so they overrun a budget by about that much), and one that would start with less than
-`STARTUP_S` + `MIN_SEARCH_S` left is reported as not run. Writes ``DIR/adapters.json``,
+new shape; the search stops at its budget, but the first example's compile comes on top). When
+the time left cannot give every remaining implementation `STARTUP_S` + `MIN_SEARCH_S`, the last
+ones are reported as not run. Writes ``DIR/adapters.json``,
 ``DIR/adapters.md`` and failure artifacts under ``DIR/failures`` (replay:
 ``verify.adapters.replay_impl``). An implementation whose package or device is missing is reported
 as skipped. Exit code 0 unless the script broke.
@@ -79,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         began = time.monotonic()
         minutes = args.minutes
         if deadline is not None:
-            search_s = (deadline - began) / (len(impls) - index) - STARTUP_S
+            left = deadline - began
+            # As many of the implementations still to run as the time left can start, each
+            # with an equal part: the later ones are left out first.
+            runnable = min(len(impls) - index, int(left // (STARTUP_S + MIN_SEARCH_S)))
+            search_s = left / max(runnable, 1) - STARTUP_S
             if search_s < MIN_SEARCH_S:
                 reason = f"not run: {deadline - began:.0f} s of --total-minutes left"
                 summary["implementations"].append({"impl": ref, "skipped": reason})

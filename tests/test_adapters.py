@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,47 @@ def test_lce_adapter_at_tp2_through_the_worker_pool() -> None:
         verdicts += check_case(spec.with_(reduce_hidden=False), properties=names, runner=runner)
     assert {v.property for v in verdicts} == set(names)
     assert not [v.line() for v in verdicts if v.failed]
+
+
+def _slow_cross_entropy(hidden, weight, targets, *, reduction="mean", ignore_index=-100):
+    """A correct loss that takes 0.3 s a call, like a peer compiling a kernel for each shape."""
+    time.sleep(0.3)
+    logits = (hidden @ weight.T).float()
+    return torch.nn.functional.cross_entropy(
+        logits, targets, reduction=reduction, ignore_index=ignore_index
+    )
+
+
+def test_timed_search_stops_inside_its_budget() -> None:
+    """A 3 s budget with 0.3 s examples: the old batch-level check ran every property's whole
+    first batch (landmarks + 20 examples each, about 60 s). The search now stops within about
+    one example of the budget and reports the properties it had no time for."""
+    began = time.monotonic()
+    report = check_impl(from_loss_fn(_slow_cross_entropy), profile="nightly", minutes=0.05)
+    elapsed = time.monotonic() - began
+    assert elapsed < 3.0 + 2.0, elapsed  # slack: one example per call (forward + backward)
+    assert report.passed, "\n".join(report.failure_lines())
+    assert report.outcomes and not any(o.vacuous for o in report.outcomes)  # cut-off batches count
+    skipped = [u for u in report.untested if u.reason == "not run: the time budget was spent"]
+    assert skipped or all(o.examples > 0 for o in report.outcomes)
+
+
+def test_timed_search_keeps_failures_found_before_its_budget_ran_out() -> None:
+    """The landmarks are explicit examples: Hypothesis runs them all and raises their failures
+    together with the stop as one exception group. The failures are kept, nothing raises."""
+    from tests.third_party_broken_impl import chunked_linear_cross_entropy
+
+    def slow_broken(hidden, weight, targets, *, reduction="mean", ignore_index=-100):
+        time.sleep(0.3)
+        return chunked_linear_cross_entropy(
+            hidden, weight, targets, reduction=reduction, ignore_index=ignore_index
+        )
+
+    report = check_impl(
+        from_loss_fn(slow_broken), profile="nightly", minutes=0.05, properties=["differential"]
+    )
+    (outcome,) = report.outcomes
+    assert outcome.failures and outcome.seconds < 3.0 + 2.0  # slack: one example
 
 
 def test_capabilities_map_unclaimed_features_away() -> None:

@@ -21,7 +21,7 @@ from hypothesis import Phase
 from verify import artifacts, report
 from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool
 from verify.distributed.errors import PoolError
-from verify.engine import PropertyFailure, SearchResult, run_property
+from verify.engine import BudgetExhausted, PropertyFailure, SearchResult, run_property
 from verify.profiles import profile_settings
 from verify.progress import Progress
 from verify.properties.registry import PROPERTIES
@@ -107,10 +107,6 @@ class CampaignResult:
     report: dict[str, Any]
     paths: dict[str, Path | None]
     artifacts: list[Path] = field(default_factory=list)
-
-
-class BudgetExhausted(BaseException):
-    """Raised inside a search to stop it; a BaseException, so Hypothesis does not shrink it."""
 
 
 class InfraFault(BaseException):

@@ -30,6 +30,11 @@ class PropertyFailure(AssertionError):
         super().__init__("\n".join(v.line() for v in verdicts))
 
 
+class BudgetExhausted(BaseException):
+    """Raised inside a search (from ``on_example``) to stop it; a BaseException, so Hypothesis
+    does not shrink it."""
+
+
 def check_case(
     spec: CaseSpec,
     *,

@@ -10,6 +10,7 @@ others. Each shrunk failure becomes a failure artifact (the engine's format plus
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
@@ -31,7 +32,7 @@ from verify.adapters.filtering import (
 from verify.adapters.protocol import Adapter
 from verify.adapters.registry import resolve
 from verify.adapters.runner import adapter_runner
-from verify.engine import PropertyFailure, run_property
+from verify.engine import BudgetExhausted, PropertyFailure, run_property
 from verify.properties.verdict import PropertyVerdict
 from verify.spec import CaseSpec
 from verify.strategies import landmark_specs
@@ -74,6 +75,21 @@ class PropertyOutcome:
     @property
     def passed(self) -> bool:
         return not self.failures
+
+    def merge(
+        self,
+        examples: int,
+        known: int,
+        worst_ratio: dict[str, float],
+        failure: list[PropertyVerdict] | None,
+    ) -> None:
+        """Add one batch's tally."""
+        self.examples += examples
+        self.known += known
+        if failure:
+            self.failures.append(Failure(failure))
+        for key, ratio in worst_ratio.items():
+            self.worst_ratio[key] = max(self.worst_ratio.get(key, 0.0), ratio)
 
     @property
     def vacuous(self) -> bool:
@@ -132,8 +148,11 @@ def check_impl(
     deadline = None if minutes is None else time.monotonic() + 60.0 * minutes
     keep = spec_filter or (lambda spec: True)
     firsts = _landmarks(adapter, tp_sizes, keep) if landmarks else []
-    outcomes = []
+    outcomes, out_of_time = [], []
     for index, name in enumerate(names):
+        if deadline is not None and time.monotonic() >= deadline:
+            out_of_time.append(Untested(f"property {name}", "not run: the time budget was spent"))
+            continue
         strategy = invalid_specs_for(adapter) if name == "status" else specs_for(adapter, tp_sizes)
         strategy = strategy.filter(keep)
         search = _Search(
@@ -145,7 +164,7 @@ def check_impl(
             search.batch(outcome, None)
         else:
             share = max(deadline - began, 0.0) / (len(names) - index)
-            _timed(outcome, adapter, search, share, seed)
+            _timed(outcome, adapter, search, share, seed, deadline)
         outcome.seconds = time.monotonic() - began
         if failures_dir is not None:
             outcome.failures = [
@@ -153,11 +172,12 @@ def check_impl(
                 for f in outcome.failures
             ]
         outcomes.append(outcome)
-    untested = not_tested(adapter, tp_sizes) + [
+    vacuous = [
         Untested(f"property {o.property}", "ran, but no generated case gave it a verdict")
         for o in outcomes
         if o.vacuous
     ]
+    untested = not_tested(adapter, tp_sizes) + out_of_time + vacuous
     return ImplReport(adapter, profile, outcomes, untested)
 
 
@@ -179,29 +199,73 @@ class _Search:
     max_examples: int | None
     examples: list[CaseSpec]
 
-    def batch(self, outcome: PropertyOutcome, seed: int | None, strategy=None) -> None:
-        """One `run_property` call (the landmarks run in the first one only)."""
+    def batch(
+        self,
+        outcome: PropertyOutcome,
+        seed: int | None,
+        strategy=None,
+        deadlines: tuple[float, float] = (math.inf, math.inf),
+    ) -> bool:
+        """One `run_property` call (the landmarks run in the first one only), merged into
+        ``outcome``. It stops at ``deadlines[0]`` (monotonic seconds) while nothing failed and at
+        ``deadlines[1]`` while shrinking a failure, which is then kept unshrunk. Returns whether
+        it ran to its end."""
         examples, self.examples = self.examples, []
         strategy = self.strategy if strategy is None else strategy
+        watch = _Watch(deadlines)
         try:
             result = run_property(
                 self.name, strategy=strategy, profile=self.profile, runner=self.runner,
                 max_examples=self.max_examples, seed=seed, examples=examples,
+                on_example=watch,
             )  # fmt: skip
         except FlakyFailure as exc:
             outcome.failures.append(Failure(flaky_verdicts(exc)))
-            return
-        outcome.examples += result.examples
-        outcome.known += result.known
-        if result.failure:
-            outcome.failures.append(Failure(result.failure))
-        for key, ratio in result.worst_ratio.items():
-            outcome.worst_ratio[key] = max(outcome.worst_ratio.get(key, 0.0), ratio)
+            return True
+        except BudgetExhausted:
+            outcome.merge(watch.examples, watch.known, watch.worst_ratio, watch.failing)
+            return False
+        except BaseExceptionGroup as group:  # explicit examples: each failure (and a stop) raised
+            stopped, rest = group.split(BudgetExhausted)
+            failed, other = rest.split(PropertyFailure) if rest is not None else (None, None)
+            if other is not None:
+                raise
+            outcome.merge(watch.examples, watch.known, watch.worst_ratio, None)
+            outcome.failures += [Failure(f.verdicts) for f in _leaves(failed)] if failed else []
+            return stopped is None
+        outcome.merge(result.examples, result.known, result.worst_ratio, result.failure)
+        return True
 
 
-def _timed(outcome, adapter, search: _Search, share: float, seed: int) -> None:
-    """Seeded batches (at least one) until ``share`` seconds are spent or `MAX_FAILURES`
-    distinct failures are found."""
+@dataclass
+class _Watch:
+    """``on_example`` of a batch: tallies what the batch's result would (examples up to the first
+    failure, worst passing ratios, the latest failing verdicts) and raises `BudgetExhausted` past
+    the deadline that applies."""
+
+    deadlines: tuple[float, float]
+    examples: int = 0
+    known: int = 0
+    worst_ratio: dict[str, float] = field(default_factory=dict)
+    failing: list[PropertyVerdict] = field(default_factory=list)
+
+    def __call__(self, spec: CaseSpec, verdicts: list[PropertyVerdict]) -> None:
+        if not self.failing:
+            self.examples += 1
+        self.known += sum(1 for v in verdicts if v.known)
+        for v in verdicts:
+            if not v.failed:
+                key = f"{v.property}:{v.output}"
+                self.worst_ratio[key] = max(self.worst_ratio.get(key, 0.0), v.ratio)
+        self.failing = [v for v in verdicts if v.failed] or self.failing
+        if time.monotonic() > self.deadlines[1 if self.failing else 0]:
+            raise BudgetExhausted
+
+
+def _timed(outcome, adapter, search: _Search, share: float, seed: int, deadline: float) -> None:
+    """Seeded batches (at least one example) until ``share`` seconds are spent or `MAX_FAILURES`
+    distinct failures are found; shrinking a failure may go on to ``deadline`` (the whole
+    search's end)."""
     began = time.monotonic()
     if search.max_examples is None:
         search.max_examples = BATCH_EXAMPLES
@@ -211,11 +275,11 @@ def _timed(outcome, adapter, search: _Search, share: float, seed: int) -> None:
             return  # a failure with no trigger to leave out: every later batch would repeat it
         narrowed = search.strategy.filter(lambda s, found=found: not any(_has(s, t) for t in found))
         try:
-            search.batch(outcome, seed, narrowed)
+            finished = search.batch(outcome, seed, narrowed, (began + share, deadline))
         except Unsatisfiable:
             return  # the triggers left out every spec the strategy can draw
         seed += 1
-        if time.monotonic() - began >= share:
+        if not finished or time.monotonic() - began >= share:
             return
 
 

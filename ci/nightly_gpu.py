@@ -56,19 +56,19 @@ def plan(out: Path, gpus: int) -> list[Step]:
     verify = [py, "-m", "verify"]
     return [
         Step("environment", 0.02, [py, "-c", ENV_PROBE]),
-        Step("kernel_tests", 0.06, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        Step("kernel_tests", 0.07, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
              "tests/test_triton_stages.py"]),
-        Step("kernel_benchmark", 0.22, [py, "benchmarks/kernel_gpu.py", "--no-sweep",
+        Step("kernel_benchmark", 0.23, [py, "benchmarks/kernel_gpu.py", "--no-sweep",
              "--json", str(out / "kernel_gpu.json")]),
         Step("megatron", 0.1, [py, "ci/gpu_megatron_check.py", "--nprocs", str(min(gpus, 2)),
              "--backend", "triton", "--json", str(out / "megatron.json")]),
-        Step("corpus", 0.1, [*verify, "corpus", "--backend", "triton", "--device", "cuda"]),
-        Step("mutants", 0.12, [*verify, "mutants", "--backend", "triton", "--device", "cuda",
+        Step("corpus", 0.13, [*verify, "corpus", "--backend", "triton", "--device", "cuda"]),
+        Step("mutants", 0.13, [*verify, "mutants", "--backend", "triton", "--device", "cuda",
              "--tp", tps, "--no-shrink", "--json", str(out / "mutants.json")]),
-        Step("campaign", 0.25, [*verify, "run", "--profile", "nightly", "--device", "cuda",
+        Step("campaign", 0.2, [*verify, "run", "--profile", "nightly", "--device", "cuda",
              "--backends", "triton,torch", "--tp", tps, "--budget-s", "{seconds}",
              "--out", str(out / "campaign")]),
-        Step("adapters", 0.15, [py, "ci/gpu_adapters.py", "--out", str(out / "adapters"),
+        Step("adapters", 0.2, [py, "ci/gpu_adapters.py", "--out", str(out / "adapters"),
              "--total-minutes", "{minutes}"]),
     ]  # fmt: skip
 

@@ -1,8 +1,8 @@
 """Metamorphic properties: two runs of related cases whose outputs must agree (DESIGN.md list).
 
 Each check takes ``(spec, runner)`` and returns verdicts; a check that does not apply to a spec
-returns none. Agreement between two low-precision runs is held to the same tolerance as one run vs
-R (`pair_check`); relations that hold exactly in floating point use the exact tier.
+returns none. Agreement between two low-precision runs is held to the sum of the two runs'
+tolerances vs R (`pair_check`); relations that hold exactly in floating point use the exact tier.
 """
 
 from __future__ import annotations
@@ -38,26 +38,38 @@ def _runs(prop: str, spec: CaseSpec, runner: Runner, other: CaseSpec):
 
 
 def _agree(
-    prop: str, spec: CaseSpec, a: KernelRun, b: KernelRun, names=None, transform=None
+    prop: str,
+    spec: CaseSpec,
+    a: KernelRun,
+    b: KernelRun,
+    names=None,
+    transform=None,
+    other: CaseSpec | None = None,
 ) -> list[PropertyVerdict]:
-    """``a`` vs ``b`` (after ``transform`` of b's outputs) under the dtype's tolerance, with the
-    baseline's error on ``spec`` as the scale; fp64 cases use the exact invariance bound, with
-    the output's fp64 ``atol`` per element as its floor (entropy near 0 is a difference of O(1)
-    terms: a summation order change moves it by an ulp of 1, not of itself)."""
+    """``a`` (on ``spec``) vs ``b`` (on ``other``, its outputs mapped back by ``transform``) under
+    the dtype's tolerance for two runs (`pair_check`), scaled by the baseline's errors on both
+    problems; ``other=None``: b ran the same problem (R and B do not depend on the TP degree or
+    the chunk size), so its baseline error is a's. fp64 cases use the exact invariance bound,
+    with the output's fp64 ``atol`` per element as its floor (entropy near 0 is a difference of
+    O(1) terms: a summation order change moves it by an ulp of 1, not of itself)."""
+    transform = transform or (lambda name, value: value)
     exp = expected(spec)
+    exp_other = exp if other is None else expected(other)
     tols = load()
     out = []
     for name in names or a.outputs:
         if name not in a.outputs or name not in b.outputs:
             continue
-        other = b.outputs[name] if transform is None else transform(name, b.outputs[name])
+        b_value = transform(name, b.outputs[name])
         tol = tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name])
         if spec.dtype_key == "fp64":
             rel = tols.exact["invariance_fp64"]
-            out.append(exact_check(prop, spec, name, a.outputs[name], other, rel, tol.atol))
+            out.append(exact_check(prop, spec, name, a.outputs[name], b_value, rel, tol.atol))
             continue
-        base_error = exp.base[name] - exp.ref[name]
-        out.append(pair_check(prop, spec, name, a.outputs[name], other, base_error, tol))
+        base_error = (exp.base[name] - exp.ref[name]).abs() + transform(
+            name, exp_other.base[name] - exp_other.ref[name]
+        ).abs()
+        out.append(pair_check(prop, spec, name, a.outputs[name], b_value, base_error, tol))
     return out
 
 
@@ -95,7 +107,7 @@ def vocab_permutation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
         back[permutation] = value  # row i of the permuted run is row permutation[i] originally
         return back
 
-    return _agree("vocab_permutation", spec, *runs, transform=unpermute)
+    return _agree("vocab_permutation", spec, *runs, transform=unpermute, other=other)
 
 
 def shift_invariance(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
@@ -212,7 +224,8 @@ def temperature_equivariance(spec: CaseSpec, runner: Runner) -> list[PropertyVer
     mantissa, _ = math.frexp(spec.temperature)
     if spec.temperature == 1.0 or mantissa != 0.5 or spec.tied:
         return []
-    runs, bad = _runs("temperature", spec, runner, spec.with_(transform="fold_temperature"))
+    folded = spec.with_(transform="fold_temperature")
+    runs, bad = _runs("temperature", spec, runner, folded)
     if bad:
         return bad
     a, b = runs
@@ -222,7 +235,7 @@ def temperature_equivariance(spec: CaseSpec, runner: Runner) -> list[PropertyVer
 
     if spec.dtype_key == "fp16":
         # fp16 d_logits hit subnormals, where scaling by 2^k is not exact: the dtype's tolerance.
-        return _agree("temperature", spec, a, b, transform=rescale)
+        return _agree("temperature", spec, a, b, transform=rescale, other=folded)
     rel = load().exact["invariance_fp64"]
     return [
         exact_check("temperature", spec, name, a.outputs[name], rescale(name, b.outputs[name]), rel)

@@ -146,6 +146,20 @@ def test_run_stops_at_its_budget(tmp_path, capsys):
     assert "(exhausted)" in (out / "report.md").read_text()
 
 
+def test_a_random_profile_records_the_seed_it_drew(tmp_path, monkeypatch, capsys):
+    """A nightly search stopped by its budget: the report carries the seed (so the search can be
+    repeated) and Hypothesis prints no 'reproduce with @seed' line of its own."""
+    monkeypatch.chdir(tmp_path)  # the nightly profile keeps its example database in the cwd
+    out = tmp_path / "report"
+    argv = shlex.split("run --profile nightly --backends torch --tp 1 --budget-s 1.5")
+    argv += ["--properties", "differential", "--out", str(out)]
+    main(argv)
+    report = json.loads((out / "report.json").read_text())
+    assert report["budget_exhausted"] and isinstance(report["seed"], int)
+    assert f"seed {report['seed']}" in (out / "report.md").read_text()
+    assert "@seed(" not in capsys.readouterr().err
+
+
 def test_a_dead_rank_is_an_infrastructure_error_and_the_next_slice_runs(tmp_path, monkeypatch):
     from verify.campaign import CampaignConfig, run_campaign
     from verify.progress import Progress

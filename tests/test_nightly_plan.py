@@ -35,7 +35,10 @@ def test_plan_has_every_step_and_every_tp_degree_the_gpus_allow(tmp_path, gpus):
 def test_limits_split_the_budget_and_roll_unused_time_forward(tmp_path, monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(nightly.time, "monotonic", lambda: clock[0])
-    steps = [nightly.Step(n, share, ["true"]) for n, share in (("a", 1.0), ("b", 1.0), ("c", 2.0))]
+    steps = [
+        nightly.Step(n, share, ["true"], elastic=True)
+        for n, share in (("a", 1.0), ("b", 1.0), ("c", 2.0))
+    ]
     limits = []
     for step, limit in nightly.limits_as_we_go(steps, budget_s=400.0):
         limits.append(limit)
@@ -43,6 +46,27 @@ def test_limits_split_the_budget_and_roll_unused_time_forward(tmp_path, monkeypa
     assert limits[0] == pytest.approx(100.0)
     assert limits[1] == pytest.approx(380.0 / 3)  # a's unused 80 s shared by b and c
     assert sum([20.0, *limits[1:]]) == pytest.approx(400.0)
+
+
+def test_fixed_work_may_overrun_its_share_and_the_elastic_steps_absorb_it(tmp_path, monkeypatch):
+    """A fixed-work step (tests, benchmark) gets twice its share, but never the time the later
+    steps need for their minimum; the elastic step after it gets what is left."""
+    clock = [0.0]
+    monkeypatch.setattr(nightly.time, "monotonic", lambda: clock[0])
+    steps = [
+        nightly.Step("tests", 1.0, ["true"]),
+        nightly.Step("corpus", 3.0, ["true"]),
+        nightly.Step("campaign", 1.0, ["true"], elastic=True),
+    ]
+    limits = []
+    for step, limit in nightly.limits_as_we_go(steps, budget_s=300.0):
+        limits.append(limit)
+        clock[0] += 1.5 * limit / nightly.FIXED_SLACK if step.name == "tests" else limit
+    assert limits[0] == pytest.approx(nightly.FIXED_SLACK * 300.0 / 5)  # 120 s, share 60 s
+    # 210 s left after tests' 90 s: corpus's doubled share (252 s) is capped so that the
+    # campaign keeps its minimum.
+    assert limits[1] == pytest.approx(210.0 - nightly.MIN_STEP_S)
+    assert limits[2] == pytest.approx(nightly.MIN_STEP_S)
 
 
 def test_a_step_always_gets_the_minimum(tmp_path, monkeypatch):

@@ -10,9 +10,10 @@ the pool is rebuilt for the next slice. The report (JSON, Markdown, PNG) goes to
 from __future__ import annotations
 
 import math
+import secrets
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,10 @@ def run_campaign(
     else a pool made and closed here.
     """
     config.validate()
+    if config.seed is None and not profile_settings(config.profile).derandomize:
+        # A random profile still draws from a recorded seed: the report's seed repeats the
+        # search (`--seed`), and Hypothesis prints no seed of its own when the budget stops it.
+        config = replace(config, seed=secrets.randbits(64))
     own_pool = pool is None
     progress = progress or Progress(config.profile, config.budget_s, stream=sys.stderr)
     tally, saved = report.Tally(), []

@@ -173,6 +173,10 @@ def write(
     return document, paths
 
 
+def _seed_note(seed: int | None) -> str:
+    return "" if seed is None else f"; seed {seed} (`--seed` draws the same examples)"
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The readable report: verdict, timing, examples, worst ratios, failures, errors."""
     verdict = "PASSED" if doc["passed"] else "FAILED"
@@ -183,7 +187,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"# {doc['title']}: {verdict}",
         "",
         f"- {doc['examples']} examples in {doc['wall_s']:.0f} s ({rate} examples/s), "
-        f"budget {doc['budget_s']:.0f} s{' (exhausted)' if doc.get('budget_exhausted') else ''}",
+        f"budget {doc['budget_s']:.0f} s{' (exhausted)' if doc.get('budget_exhausted') else ''}"
+        + _seed_note(doc.get("seed")),
         f"- {len(doc['failures'])} failure(s), {len(doc['errors'])} infrastructure error(s); "
         f"{doc['known_examples']} example(s) with only known, reported failure classes",
         f"- device: {env.get('device', '?')}; {versions}",

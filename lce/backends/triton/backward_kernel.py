@@ -119,4 +119,9 @@ def dlogits_chunk(
         **operand_args(hidden, weight_chunk, tiles, config.use_tma),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
         PRECISION=config.fp32_precision, **tiles.launch_options(),
+        # No FMA contraction: `acc * inv_temp - max` fused keeps the product's rounding residual
+        # (~2^-24 |z|), so the max lane's z - max is not the forward's 0; on a confident row the
+        # entropy term weights it by p ~ 1 against a tiny E[z] - max. The epilogue's few flops
+        # per logit are noise next to the tile's 2H-flop dot.
+        enable_fp_fusion=False,
     )  # fmt: skip

@@ -20,9 +20,7 @@ def differential(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """Tiers 1-2 of tolerances.yaml for each output the run produced."""
     run = runner.run(spec)
     if run.status != "ok":
-        return [
-            flag("differential", spec, "status", False, f"lce refused a valid case: {run.error}")
-        ]
+        return [flag("differential", spec, "status", False, f"refused a valid case: {run.error}")]
     exp = expected(spec)
     tols = load()
     return [
@@ -43,7 +41,7 @@ def contract(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """Exact clauses: output dtypes, ignored rows exactly 0, inputs untouched, ranks agree."""
     run = runner.run(spec)
     if run.status != "ok":
-        return [flag("contract", spec, "status", False, f"lce refused a valid case: {run.error}")]
+        return [flag("contract", spec, "status", False, f"refused a valid case: {run.error}")]
     verdicts = [_dtypes(spec, run)]
     verdicts.append(flag("contract", spec, "inputs", run.inputs_unchanged, "inputs unmodified"))
     if spec.tp > 1:

@@ -33,7 +33,7 @@ def _runs(prop: str, spec: CaseSpec, runner: Runner, other: CaseSpec):
     a, b = runner.run(spec), runner.run(other)
     for run, s in ((a, spec), (b, other)):
         if run.status != "ok":
-            return None, [flag(prop, s, "status", False, f"lce refused a valid case: {run.error}")]
+            return None, [flag(prop, s, "status", False, f"refused a valid case: {run.error}")]
     return (a, b), []
 
 

@@ -30,7 +30,7 @@ def _against_peer(
 ) -> list[PropertyVerdict]:
     run = runner.run(spec)
     if run.status != "ok":
-        return [flag(prop, spec, "status", False, f"lce refused a valid case: {run.error}")]
+        return [flag(prop, spec, "status", False, f"refused a valid case: {run.error}")]
     ref, tols = expected(spec).ref, load()
     return [
         tolerance_check(

@@ -86,6 +86,29 @@ def test_a_differing_reference_names_its_outputs(found, tmp_path):
     assert "DIFFERS from artifact on grad_hidden" in "\n".join(summary_lines(result))
 
 
+def test_rehash_rerecords_a_stale_reference_and_nothing_else(tmp_path):
+    """After a deliberate change to R, `verify rehash` rewrites the recorded hashes (and says
+    when); a current file is left byte for byte as it was."""
+    source = sorted(CORPUS_DIR.glob("*.json"))[0]
+    record = json.loads(source.read_text())
+    current = record["reference_sha256"]
+    record["reference_sha256"] = "0" * 64
+    record["reference_output_sha256"] = {"logprobs": "0" * 16}
+    stale = tmp_path / source.name
+    stale.write_text(json.dumps(record))
+    assert artifacts.rehash(stale) == ("0" * 64, current)
+    rewritten = json.loads(stale.read_text())
+    assert rewritten["reference_sha256"] == current and "reference_rehashed" in rewritten
+    assert rewritten["reference_output_sha256"] == artifacts.reference_output_sha256(
+        artifacts.load(stale).spec
+    )
+    assert {k: v for k, v in rewritten.items() if not k.startswith("reference")} == {
+        k: v for k, v in record.items() if not k.startswith("reference")
+    }
+    before = stale.read_bytes()
+    assert artifacts.rehash(stale) == (current, current) and stale.read_bytes() == before
+
+
 def test_replay_passes_once_the_bug_is_removed(found, pool):
     result = replay(artifacts.load(found.artifacts[0]), pool=pool, mutant=None, times=2)
     assert result.passed and result.identical and result.mutant is None
@@ -120,7 +143,8 @@ def test_regression_corpus_passes_and_still_catches_its_bugs(pool):
 
 
 def test_corpus_references_are_current_bit_for_bit():
-    """Every entry's recorded reference sha256 is what R computes now (R changed: refresh them)."""
+    """Every entry's recorded reference sha256 is what R computes now (after a deliberate change to
+    R: `python -m verify rehash verify/corpus/*.json`)."""
     for path in sorted(CORPUS_DIR.glob("*.json")):
         artifact = artifacts.load(path)
         assert artifacts.reference_sha256(artifact.spec) == artifact.record["reference_sha256"], (

@@ -229,20 +229,44 @@ def write(record: dict[str, Any], failures_dir: Path | str) -> Path:
     if path.exists():
         return path
     full = dict(record)
-    full["created"] = datetime.now(UTC).isoformat(timespec="seconds")
+    full["created"] = _now()
     full["replay"] = replay_command(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    # Same name = same content hash, so a racing writer wrote the same.
+    _write_json_atomically(full, path)
+    return path
+
+
+def rehash(path: Path | str) -> tuple[str | None, str | None]:
+    """Re-record an artifact's reference sha256s as R computes them now, after a deliberate change
+    to R; returns the (old, new) whole-reference hashes. The file is rewritten only when they
+    differ, with the time in ``reference_rehashed``."""
+    artifact = load(path)
+    old, new = artifact.record.get("reference_sha256"), reference_sha256(artifact.spec)
+    if old != new:
+        record = dict(artifact.record)
+        record["reference_sha256"] = new
+        record["reference_output_sha256"] = reference_output_sha256(artifact.spec)
+        record["reference_rehashed"] = _now()
+        _write_json_atomically(record, artifact.path)
+    return old, new
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _write_json_atomically(record: dict[str, Any], path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(full, handle, indent=1, sort_keys=True)
+            json.dump(record, handle, indent=1, sort_keys=True)
             handle.write("\n")
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)  # same name = same content hash, so a racing writer wrote the same
+        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
 
 
 def replay_command(path: Path | str) -> str:

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(sub)
     _add_replay(sub)
+    _add_rehash(sub)
     _add_corpus(sub)
     _add_mutants(sub)
     return parser
@@ -130,6 +131,18 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     )
     _add_impl_option(p, "replay through this implementation (default: the artifact's)")
     p.set_defaults(handler=_cmd_replay)
+
+
+def _add_rehash(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "rehash",
+        help="re-record artifacts' reference sha256 after a deliberate change to R",
+        description="Recompute each artifact's float64 reference and rewrite its recorded sha256s "
+        "where they differ (run it, and say why in the commit, only when R itself changed: a "
+        "differing hash otherwise means the reference is not reproducible).",
+    )
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="failure artifact(s)")
+    p.set_defaults(handler=_cmd_rehash)
 
 
 def _add_corpus(sub: argparse._SubParsersAction) -> None:
@@ -236,6 +249,16 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             f"pass --tp 1 or --device cpu"
         )
     return _replay_all(loaded, args, lambda a: [(mutant, True)], args.times, annotate=False)
+
+
+def _cmd_rehash(args: argparse.Namespace) -> int:
+    from verify import artifacts
+
+    for artifact in _load_all(args.files, artifacts):
+        old, new = artifacts.rehash(artifact.path)
+        change = "unchanged" if old == new else f"{(old or 'none')[:16]} -> {(new or 'none')[:16]}"
+        print(f"{artifact.path}: reference sha256 {change}")
+    return 0
 
 
 def _cmd_corpus(args: argparse.Namespace) -> int:

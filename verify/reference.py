@@ -6,7 +6,9 @@ hidden is first cast to weight's dtype (as lce does for the matmul).
 R is the same bits on every machine, so a failure artifact's reference replays bit for bit
 anywhere: every sum is a fixed sequence of IEEE additions (`ordered_sum`), never a BLAS GEMM or a
 vectorized reduction (their order depends on the CPU: AVX2 and AVX-512 give different float64
-bits), and its gradients are closed-form. B is what users run (BLAS, autograd), bits and all.
+bits), exp and log are built from basic operations (`verify.portable_math`; torch's differ by an
+ulp between builds), and its gradients are closed-form. B is what users run (BLAS, autograd), bits
+and all.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from verify import portable_math
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,8 @@ def reference(
     w = weight.detach().to(torch.float64)
     z = ordered_matmul(h, w.T) / temperature
     shifted = z - z.amax(dim=-1, keepdim=True)
-    log_p = shifted - torch.log(ordered_sum(torch.exp(shifted), dim=-1))[:, None]
-    p = torch.exp(log_p)
+    log_p = shifted - portable_math.log(ordered_sum(portable_math.exp(shifted), dim=-1))[:, None]
+    p = portable_math.exp(log_p)
     per_token = _per_token(log_p, p, targets, ignore_index, ordered_sum)
     logprobs, entropy, valid, safe_targets = per_token
     zero = torch.zeros_like(logprobs)

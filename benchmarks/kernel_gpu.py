@@ -346,10 +346,10 @@ def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
     for mode in ("mean", "token"):
         for name, loss_fn in methods.items():
             rows.append(measure(name, grads_of(loss_fn, inp, mode), ref, mode))
-    low = dataclasses.replace(triton_config.GPU_CONFIG, grad_weight_fp32=False)
-    saved, triton_config.GPU_CONFIG = triton_config.GPU_CONFIG, low
+    fp32_buffer = dataclasses.replace(triton_config.GPU_CONFIG, grad_weight_fp32=True)
+    saved, triton_config.GPU_CONFIG = triton_config.GPU_CONFIG, fp32_buffer
     rows.append(
-        measure("lce triton, bf16 grad_weight", grads_of(lce_loss, inp, "mean"), ref, "mean")
+        measure("lce triton, fp32 grad_weight", grads_of(lce_loss, inp, "mean"), ref, "mean")
     )
     triton_config.GPU_CONFIG = saved
     rows.append(measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None))

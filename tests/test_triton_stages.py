@@ -223,8 +223,10 @@ def test_backward_grads_match_float64(shape, dtype):
     num_tokens, hidden_size, vocab, vocab_start, temperature = shape
     hidden, weight, targets = make_case(num_tokens, hidden_size, vocab, vocab_start, dtype, seed=3)
     upstream = strided_upstream(targets, seed=4, expanded_entropy=num_tokens == 20)
-    # chunk_bytes of 3 tiles of columns: several chunks, the last one partial.
-    config = small_config(chunk_bytes=num_tokens * hidden.element_size() * 64 * 3)
+    # chunk_bytes of 3 tiles of columns: several chunks, the last one partial. The fp32 product
+    # of grad_weight, before its rounding to weight's dtype (checked on its own below).
+    chunk_bytes = num_tokens * hidden.element_size() * 64 * 3
+    config = small_config(chunk_bytes=chunk_bytes, grad_weight_fp32=True)
     grad_hidden, grad_weight = run_backward(
         TritonStages(config), hidden, weight, targets, vocab_start, temperature, upstream
     )
@@ -245,11 +247,12 @@ def test_backward_grads_match_float64(shape, dtype):
 def test_backward_need_flags_and_low_precision_grad_weight():
     hidden, weight, targets = make_case(16, 32, 100, 0, torch.bfloat16, seed=5)
     upstream = strided_upstream(targets, seed=6, expanded_entropy=False)
-    stages = TritonStages(small_config(grad_weight_fp32=False))
+    stages = TritonStages(small_config())
     args = (hidden, weight, targets, 0, 1.0, upstream)
     grad_hidden, grad_weight = run_backward(stages, *args, need_hidden=False)
-    assert grad_hidden is None and grad_weight.dtype == torch.bfloat16
-    _, full = run_backward(TritonStages(small_config()), *args)
+    assert grad_hidden is None and grad_weight.dtype == torch.bfloat16  # the default
+    _, full = run_backward(TritonStages(small_config(grad_weight_fp32=True)), *args)
+    assert full.dtype == torch.float32
     # One bf16 rounding of an fp32 product (cuBLAS may sum it in another order): <= 1 ulp, 2^-8.
     torch.testing.assert_close(grad_weight.float(), full, rtol=2.0**-8, atol=0.0)
     grad_hidden, grad_weight = run_backward(stages, *args, need_weight=False)

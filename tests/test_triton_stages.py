@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from lce.backends.base import BackwardRows
-from lce.backends.triton import TileShape, TritonConfig, TritonStages
+from lce.backends.triton import TileShape, TritonConfig, TritonStages, gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -257,6 +257,26 @@ def test_backward_need_flags_and_low_precision_grad_weight():
     torch.testing.assert_close(grad_weight.float(), full, rtol=2.0**-8, atol=0.0)
     grad_hidden, grad_weight = run_backward(stages, *args, need_weight=False)
     assert grad_weight is None and grad_hidden.shape == hidden.shape
+
+
+# (m, k, n): a long K with a small output (the shape cuBLAS splits over K), a ragged one, a row.
+@pytest.mark.parametrize(("m", "k", "n"), [(64, 16384, 64), (300, 257, 40), (1, 2048, 3)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_low_precision_gemm_is_one_rounding(m, k, n, dtype, monkeypatch):
+    """`gemm.mm_into` into fp16/bf16 = the fp32 product rounded once: split-K partial sums are not
+    rounded to the output dtype (cuBLAS) and the CPU's row blocks (7 rows here) cover every row."""
+    monkeypatch.setattr(gemm, "TEMP_BYTES", 4 * n * 7)
+    gen = torch.Generator().manual_seed(m + k + n)
+    a, b = (torch.randn(shape, generator=gen).to(DEVICE, dtype) for shape in ((m, k), (k, n)))
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    gemm.mm_into(a, b, out)
+    once = (a.float() @ b.float()).to(dtype).float()
+    # 1 ulp: cuBLAS sums in another order, so the one rounding may land on the other side; plus
+    # the fp32 sums' own order difference, <= log2(k) * 2^-24 * |a| @ |b| (pairwise bound). Partial
+    # sums rounded to bf16 are ~0.1 off here (64 x 16384 x 64): a fifth of the entries fail.
+    bound = torch.finfo(dtype).eps * once.abs()
+    bound += math.log2(k) * 2.0**-24 * (a.float().abs() @ b.float().abs())
+    assert bool(((out.float() - once).abs() <= bound).all())
 
 
 @pytest.mark.parametrize(("num_tokens", "vocab"), [(0, 50), (5, 0)])

@@ -1,16 +1,18 @@
 """Backward stage, part 2: the two gradient GEMMs, accumulated in fp32 from low-precision operands.
 
-On CUDA, cuBLAS accumulates in fp32 and writes fp32 directly (``out_dtype``); elsewhere the
-operands are upcast (exact) and multiplied in fp32. A low-precision result is rounded once from
-that fp32 product: a bf16-output cuBLAS GEMM may reduce partial sums in bf16 (measured up to 40%
-off on small shapes), so it is not used.
+On CUDA, cuBLAS accumulates in fp32 and writes either fp32 (``out_dtype``) or the operands' dtype,
+with its split-K partial sums reduced in fp32 (`fp32_reductions`), so a low-precision result is the
+one rounding of the fp32 product. Elsewhere the operands are upcast (exact) and multiplied in fp32.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
-# Bound of the fp32 temporary when the result is written in low precision.
+# Bound of the fp32 temporary when the result is written in low precision off CUDA.
 TEMP_BYTES = 64 << 20
 
 
@@ -18,28 +20,45 @@ def _native_fp32_out(a: torch.Tensor) -> bool:
     return a.is_cuda and a.dtype in (torch.float16, torch.bfloat16)
 
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.dtype == torch.float32:
-        return torch.mm(a, b)
-    if _native_fp32_out(a):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+@contextmanager
+def fp32_reductions() -> Iterator[None]:
+    """cuBLAS fp16/bf16 GEMMs inside reduce split-K partial sums in fp32, not in the output dtype.
+
+    PyTorch's default allows reduced-precision reductions: a split-K GEMM may then add its partial
+    sums in bf16, each addition one more rounding. The flags are process-wide; this restores them
+    on exit (not thread-safe against GEMMs on another thread meanwhile).
+    """
+    matmul = torch.backends.cuda.matmul
+    saved = (
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+    )
+    matmul.allow_bf16_reduced_precision_reduction = False
+    matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        (
+            matmul.allow_bf16_reduced_precision_reduction,
+            matmul.allow_fp16_reduced_precision_reduction,
+        ) = saved
 
 
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """``out = a @ b`` accumulated in fp32, rounded once into ``out``'s dtype."""
-    if out.dtype != torch.float32:
-        # Whole 256-row blocks: cuBLAS picked a ~3x slower kernel for M = 4681 (H200).
-        step = max(256, TEMP_BYTES // (4 * out.shape[1]) // 256 * 256)
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    elif not _native_fp32_out(a):
+        # Row blocks bound the fp32 temporary of the upcast product.
+        step = max(1, TEMP_BYTES // (4 * max(1, out.shape[1])))
         for start in range(0, out.shape[0], step):
             rows = slice(start, start + step)
-            out[rows].copy_(_mm_fp32(a[rows], b))
-    elif a.dtype == torch.float32:
-        torch.mm(a, b, out=out)
-    elif _native_fp32_out(a):
+            out[rows].copy_(torch.mm(a[rows].float(), b.float()))
+    elif out.dtype == torch.float32:
         torch.mm(a, b, out_dtype=torch.float32, out=out)
     else:
-        torch.mm(a.float(), b.float(), out=out)
+        with fp32_reductions():
+            torch.mm(a, b, out=out)
 
 
 def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from lce.backends.base import BackwardRows
-from lce.backends.triton import TileShape, TritonConfig, TritonStages, gemm
+from lce.backends.triton import TileShape, TritonConfig, TritonStages, forward_kernel, gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -312,6 +312,49 @@ def test_pointer_loads_match_tma_and_strided_hidden(dtype):
         torch.testing.assert_close(other.target_logit, tma.target_logit, atol=tol, rtol=0)
         # sumexp is exp of the logits: relative error ~ the logits' absolute error.
         torch.testing.assert_close(other.sumexp, tma.sumexp, rtol=2 * tol + 1e-6, atol=0)
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
+def test_persistent_forward_matches_one_program_per_item(use_tma):
+    """Programs walking several (token tile, split) items (warp-specialized on GPU with TMA)
+    write the same partials, bit for bit, as one program per item: same tiles, same order."""
+    hidden, weight, targets = make_case(100, 48, 300, 0, torch.bfloat16, seed=12)
+    stats = [
+        TritonStages(small_config(persistent=persistent, use_tma=use_tma)).forward_stats(
+            hidden, weight, targets, 0, 0.7
+        )
+        for persistent in (True, False)
+    ]
+    for name in ("max", "sumexp", "sumexp_z", "target_logit", "sumexp_others"):
+        assert torch.equal(getattr(stats[0], name), getattr(stats[1], name)), name
+
+
+def test_merge_partials_rescales_each_split_and_skips_unseen_ones():
+    """float64 merge of hand-made partials: split 2 saw nothing on 30 rows, rows 0-4 saw nothing."""
+    gen = torch.Generator().manual_seed(13)
+    partials = torch.randn(5, 7, 100, generator=gen)
+    partials[0] *= 5
+    partials[1] = partials[1].abs() + 0.1
+    partials[4] = partials[1] * torch.rand(7, 100, generator=gen)
+    partials[0, 2, :30] = partials[0, :, :5] = float("-inf")
+    partials[1:, 2, :30] = partials[1:, :, :5] = 0.0
+    got = forward_kernel.merge_partials(partials.to(DEVICE))
+    split_max, sumexp, sumexp_z, target, others = partials.double().unbind(0)
+    row_max = split_max.amax(0)
+    seen = split_max > float("-inf")
+    shift = torch.where(seen, split_max - row_max.clamp(min=-1e300), 0.0)
+    scale = torch.where(seen, shift.exp(), 0.0)
+    expected = {
+        "max": row_max,
+        "sumexp": (scale * sumexp).sum(0),
+        "sumexp_z": (scale * (sumexp_z + shift * sumexp)).sum(0),
+        "target_logit": target.sum(0),
+        "sumexp_others": (scale * others).sum(0),
+    }
+    for name, want in expected.items():
+        # fp32 sums of 7 terms of magnitude <= ~50: a few ulps of 50.
+        torch.testing.assert_close(getattr(got, name).double().cpu(), want, rtol=1e-5, atol=1e-5)
+    assert bool((got.max[:5] == float("-inf")).all()) and not got.sumexp[:5].any()
 
 
 def test_bad_operands_raise_clear_errors():

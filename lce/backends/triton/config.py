@@ -74,6 +74,10 @@ class TritonConfig:
     backward's cuBLAS GEMMs follow ``torch.backends.cuda.matmul.allow_tf32`` instead.
     ``use_tma``: load tiles through TMA descriptors where the layout allows (16-byte aligned rows,
     unit last stride); other layouts use pointer loads either way.
+    ``persistent``: launch one forward program per SM (two under the interpreter), each walking
+    (token tile, split) items; compiled with TMA loads it is warp-specialized, so the loads of one
+    item overlap the softmax epilogue of the last (H100 llama3-8k: 13.1 vs 13.9 ms, one GEMM
+    11.8). False launches one program per item.
     ``grad_weight_fp32``: False (default; the StageBackend contract allows it) returns grad_weight
     in weight's dtype, written by cuBLAS from its fp32 accumulator (`gemm.fp32_reductions`): the
     single rounding autograd's cast to weight's dtype would make, without a ``[V_local, H]`` fp32
@@ -88,6 +92,7 @@ class TritonConfig:
     fp32_precision: str = "ieee"
     use_tma: bool = True
     grad_weight_fp32: bool = False
+    persistent: bool = True
 
     def __post_init__(self) -> None:
         if self.fp32_precision not in FP32_PRECISIONS:

@@ -52,7 +52,6 @@ class FusedLogprobEntropy(torch.autograd.Function):
             compute_hidden, weight, kernel_targets, shard.vocab_start, temperature
         )
         merged = merge_stats(stats, shard.owns(kernel_targets), shard.group)
-        raise_on_bad_targets(targets, merged.owners, ignore_index)
         zero = torch.zeros_like(merged.max)
         logprobs = torch.where(ignored, zero, merged.logprob)
         entropy = torch.where(ignored, zero, merged.entropy)
@@ -60,6 +59,7 @@ class FusedLogprobEntropy(torch.autograd.Function):
         ctx.save_for_backward(compute_hidden, weight, kernel_targets, *saved_stats)
         ctx.hidden_dtype = hidden.dtype
         ctx.settings = (temperature, shard, reduce_hidden, stages)
+        raise_on_bad_targets(targets, merged.owners, ignore_index)  # last: it syncs with the GPU
         return logprobs, entropy
 
     @staticmethod

@@ -22,7 +22,7 @@ from lce.backends.triton.forward_kernel import _forward_partials_kernel
 HOPPER = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 CONSTEXPRS = ("BLOCK_T", "BLOCK_V", "BLOCK_H", "GROUP", "EVEN_H", "BF16_INTERPRETED", "PRECISION",
-              "USE_TMA")  # fmt: skip
+              "USE_TMA", "WARP_SPECIALIZE")  # fmt: skip
 
 
 def argument_type(name: str, tile: TileShape, dtype: str, tma: bool) -> str:
@@ -49,9 +49,9 @@ def shared_bytes(kernel, tile: TileShape, dtype: torch.dtype, tma: bool) -> int:
     values = {
         "BLOCK_T": tile.block_t, "BLOCK_V": tile.block_v, "BLOCK_H": tile.block_h,
         "GROUP": tile.group, "EVEN_H": True, "BF16_INTERPRETED": False, "PRECISION": "ieee",
-        "USE_TMA": tma,
+        "USE_TMA": tma, "WARP_SPECIALIZE": GPU_CONFIG.persistent and tma,  # as forward_partials
     }  # fmt: skip
-    constexprs = {(names.index(n),): v for n, v in values.items()}
+    constexprs = {(names.index(n),): v for n, v in values.items() if n in names}
     options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
     source = ASTSource(kernel, signature, constexprs)
     return triton.compile(source, target=HOPPER, options=options).metadata.shared

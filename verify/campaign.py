@@ -22,7 +22,7 @@ from hypothesis import Phase
 from verify import artifacts, report
 from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool
 from verify.distributed.errors import PoolError
-from verify.engine import BudgetExhausted, PropertyFailure, SearchResult, run_property
+from verify.engine import run_property
 from verify.profiles import profile_settings
 from verify.progress import Progress
 from verify.properties.registry import PROPERTIES
@@ -132,20 +132,6 @@ class _GuardedRunner(Runner):
             raise
 
 
-def search(names: list[str], **options: Any) -> SearchResult:
-    """`run_property`, except that Hypothesis's "found N distinct failures" group (raised when a
-    profile keeps ``report_multiple_bugs`` on) becomes a result holding its first failure."""
-    try:
-        return run_property(names, **options)
-    except ExceptionGroup as group:
-        failures = [e for e in group.exceptions if isinstance(e, PropertyFailure)]
-        if not failures:
-            raise
-        result = SearchResult(",".join(names))
-        result.failure = failures[0].verdicts
-        return result
-
-
 def run_campaign(
     config: CampaignConfig, progress: Progress | None = None, pool: WorkerPool | None = None
 ) -> CampaignResult:
@@ -208,10 +194,7 @@ class _Slice:
         self.status, self.examples, self.seconds = "done", 0, 0.0
         self.artifacts: list[Path] = []
         self.current: CaseSpec | None = None  # the last drawn spec: after shrinking, the minimal
-        self.failed = False
-        # The latest failing example (spec, failing verdicts, examples before the first failure):
-        # shrinking's best so far, saved unshrunk if the budget stops the shrinking.
-        self.latest_failure: tuple[CaseSpec, list[Any], int] | None = None
+        self.failed = False  # the search found a failure: later examples are shrinking re-runs
         # Searching stops at the slice's share of the budget; shrinking may go on to the end of
         # the campaign's budget (a found failure is worth more than later slices' examples).
         self.deadlines = (math.inf, math.inf)
@@ -246,10 +229,10 @@ class _Slice:
     def _search(self, names: list[str], strategy: Any, runner: Runner, seed: int | None) -> bool:
         """One Hypothesis search; its shrunk failure (or minimal raising case) is saved.
         Returns whether it found a failure."""
-        self.failed, self.current, self.latest_failure = False, None, None
+        self.failed, self.current = False, None
         saved = len(self.artifacts)
         try:
-            result = search(
+            result = run_property(
                 names,
                 strategy=strategy,
                 profile=self.config.profile,
@@ -257,15 +240,14 @@ class _Slice:
                 max_examples=self.config.max_examples,
                 seed=seed,
                 on_example=self._on_example,
+                deadlines=self.deadlines,
             )
-            if not result.passed:
+            if result.stopped:
+                self.status = "budget"
+            if not result.passed:  # when stopped, shrinking's best so far
                 spec = result.shrunk_spec or self.current
-                self._save(spec, names, result.failure, None, result.first_failure_at)
-        except BudgetExhausted:
-            self.status = "budget"
-            if self.latest_failure is not None:  # shrinking was cut short: save its best so far
-                spec, failing, at = self.latest_failure
-                self._save(spec, names, failing, None, at, shrunk=False)
+                shrunk = False if result.stopped else None
+                self._save(spec, names, result.failure, None, result.first_failure_at, shrunk)
         except InfraFault as fault:
             self.status = "infrastructure error"
             where = f"{self.backend} TP={self.tp}"
@@ -282,17 +264,12 @@ class _Slice:
         return spec
 
     def _on_example(self, spec: CaseSpec, verdicts: list[Any]) -> None:
-        if not self.failed:  # shrinking re-runs are not new examples
-            self.examples += 1
-            self.tally.add_example(spec.dtype_key, spec.backend, spec.tp, verdicts)
-            self.progress.example()
-        failing = [v for v in verdicts if v.failed]
-        if failing:
-            at = self.latest_failure[2] if self.latest_failure else self.examples
-            self.latest_failure = (spec, failing, at)
-        self.failed |= bool(failing)
-        if time.monotonic() > self.deadlines[1 if self.failed else 0]:
-            raise BudgetExhausted
+        if self.failed:  # shrinking re-runs are not new examples
+            return
+        self.examples += 1
+        self.tally.add_example(spec.dtype_key, spec.backend, spec.tp, verdicts)
+        self.progress.example()
+        self.failed = any(v.failed for v in verdicts)
 
     def _save(
         self,

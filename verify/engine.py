@@ -6,12 +6,14 @@ lets Hypothesis search specs for one property (shrinking a failure to its minima
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from hypothesis import Phase, example, given, settings, target
 from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure
 
 from verify.profiles import profile_settings
 from verify.properties.registry import PROPERTIES, get
@@ -64,8 +66,10 @@ def worst(verdicts: list[PropertyVerdict]) -> float:
 
 @dataclass
 class SearchResult:
-    """What one Hypothesis search found: examples run, the first failing example's index, the
-    shrunk failure (verdicts of the minimal spec) and the worst passing ratio per output."""
+    """What one Hypothesis search found: examples run until the first failure (its shrinking
+    re-runs not counted), that failure's index, the failure (verdicts of the minimal spec; when
+    ``stopped``, of the latest failing spec, unshrunk), further failures of explicit examples,
+    and the worst passing ratio per output."""
 
     property: str
     examples: int = 0
@@ -74,6 +78,8 @@ class SearchResult:
     worst_ratio: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     known: int = 0  # verdicts of known, reported failure classes (`verify.properties.known`)
+    stopped: bool = False  # a deadline ended the search (see `run_property`)
+    other_failures: list[list[PropertyVerdict]] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -95,12 +101,19 @@ def run_property(
     on_example: Callable[[CaseSpec, list[PropertyVerdict]], None] | None = None,
     shrink: bool = True,
     examples: Iterable[CaseSpec] = (),
+    deadlines: tuple[float, float] = (math.inf, math.inf),
 ) -> SearchResult:
     """Search ``strategy`` (default `case_specs()` at the runner's TP degrees) for a spec that
     fails property ``name`` (or any of several names), under a settings profile of
     `verify.profiles`. ``seed`` randomizes a derandomized profile (fresh examples per seed).
     Never raises on a property failure: the result carries the (shrunk unless ``shrink=False``)
-    failing verdicts. ``examples`` run first (e.g. `verify.strategies.landmark_specs`).
+    failing verdicts. ``examples`` run first (e.g. `verify.strategies.landmark_specs`); several
+    of them failing, or a profile reporting several distinct bugs, give ``other_failures``.
+
+    ``deadlines`` (``time.monotonic()`` seconds): the search stops after the example that ends
+    past ``deadlines[0]`` while nothing has failed, or past ``deadlines[1]`` once something has
+    (shrinking may run longer than searching); the result is then ``stopped``, with the latest
+    failing verdicts unshrunk. A flaky failure (Hypothesis's ``FlakyFailure``) is raised.
     """
     names = [name] if isinstance(name, str) else list(name)
     for n in names:
@@ -114,7 +127,8 @@ def run_property(
         base = settings(base, phases=[p for p in base.phases if p != Phase.shrink])
 
     def body(spec: CaseSpec) -> None:
-        result.examples += 1
+        if result.first_failure_at is None:
+            result.examples += 1
         verdicts = check_case(spec, properties=names, runner=runner)
         for v in verdicts:
             key = f"{v.property}:{v.output}"
@@ -128,6 +142,10 @@ def run_property(
         if failed:
             if result.first_failure_at is None:
                 result.first_failure_at = result.examples
+            result.failure = failed  # shrinking's best so far, kept if a deadline stops it
+        if time.monotonic() > deadlines[0 if result.first_failure_at is None else 1]:
+            raise BudgetExhausted
+        if failed:
             raise PropertyFailure(failed)
 
     search = given(strategy)(body)
@@ -143,5 +161,26 @@ def run_property(
         search()
     except PropertyFailure as failure:
         result.failure = failure.verdicts
+    except BudgetExhausted:
+        result.stopped = True
+    except FlakyFailure:
+        raise
+    except BaseExceptionGroup as group:  # failing explicit examples, several bugs, or a stop
+        stopped, rest = group.split(BudgetExhausted)
+        failed, other = rest.split(PropertyFailure) if rest is not None else (None, None)
+        if other is not None:
+            raise
+        result.stopped = stopped is not None
+        failures = [f.verdicts for f in property_failures(failed)] if failed is not None else []
+        if failures:
+            result.failure, result.other_failures = failures[0], failures[1:]
     result.seconds = time.perf_counter() - began
     return result
+
+
+def property_failures(group: BaseExceptionGroup) -> list[PropertyFailure]:
+    """The leaves of a (nested) group that holds only PropertyFailures, in order."""
+    out = []
+    for exc in group.exceptions:
+        out.extend(property_failures(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out

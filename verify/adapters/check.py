@@ -32,7 +32,7 @@ from verify.adapters.filtering import (
 from verify.adapters.protocol import Adapter
 from verify.adapters.registry import resolve
 from verify.adapters.runner import adapter_runner
-from verify.engine import BudgetExhausted, PropertyFailure, run_property
+from verify.engine import PropertyFailure, property_failures, run_property
 from verify.properties.verdict import PropertyVerdict
 from verify.spec import CaseSpec
 from verify.strategies import landmark_specs
@@ -206,60 +206,22 @@ class _Search:
         strategy=None,
         deadlines: tuple[float, float] = (math.inf, math.inf),
     ) -> bool:
-        """One `run_property` call (the landmarks run in the first one only), merged into
-        ``outcome``. It stops at ``deadlines[0]`` (monotonic seconds) while nothing failed and at
-        ``deadlines[1]`` while shrinking a failure, which is then kept unshrunk. Returns whether
-        it ran to its end."""
+        """One `run_property` call (the landmarks run in the first one only) under ``deadlines``
+        (see there), merged into ``outcome``. Returns whether it ran to its end."""
         examples, self.examples = self.examples, []
         strategy = self.strategy if strategy is None else strategy
-        watch = _Watch(deadlines)
         try:
             result = run_property(
                 self.name, strategy=strategy, profile=self.profile, runner=self.runner,
                 max_examples=self.max_examples, seed=seed, examples=examples,
-                on_example=watch,
+                deadlines=deadlines,
             )  # fmt: skip
         except FlakyFailure as exc:
             outcome.failures.append(Failure(flaky_verdicts(exc)))
             return True
-        except BudgetExhausted:
-            outcome.merge(watch.examples, watch.known, watch.worst_ratio, watch.failing)
-            return False
-        except BaseExceptionGroup as group:  # explicit examples: each failure (and a stop) raised
-            stopped, rest = group.split(BudgetExhausted)
-            failed, other = rest.split(PropertyFailure) if rest is not None else (None, None)
-            if other is not None:
-                raise
-            outcome.merge(watch.examples, watch.known, watch.worst_ratio, None)
-            outcome.failures += [Failure(f.verdicts) for f in _leaves(failed)] if failed else []
-            return stopped is None
         outcome.merge(result.examples, result.known, result.worst_ratio, result.failure)
-        return True
-
-
-@dataclass
-class _Watch:
-    """``on_example`` of a batch: tallies what the batch's result would (examples up to the first
-    failure, worst passing ratios, the latest failing verdicts) and raises `BudgetExhausted` past
-    the deadline that applies."""
-
-    deadlines: tuple[float, float]
-    examples: int = 0
-    known: int = 0
-    worst_ratio: dict[str, float] = field(default_factory=dict)
-    failing: list[PropertyVerdict] = field(default_factory=list)
-
-    def __call__(self, spec: CaseSpec, verdicts: list[PropertyVerdict]) -> None:
-        if not self.failing:
-            self.examples += 1
-        self.known += sum(1 for v in verdicts if v.known)
-        for v in verdicts:
-            if not v.failed:
-                key = f"{v.property}:{v.output}"
-                self.worst_ratio[key] = max(self.worst_ratio.get(key, 0.0), v.ratio)
-        self.failing = [v for v in verdicts if v.failed] or self.failing
-        if time.monotonic() > self.deadlines[1 if self.failing else 0]:
-            raise BudgetExhausted
+        outcome.failures += [Failure(verdicts) for verdicts in result.other_failures]
+        return not result.stopped
 
 
 def _timed(outcome, adapter, search: _Search, share: float, seed: int, deadline: float) -> None:
@@ -291,16 +253,8 @@ def flaky_verdicts(exc: FlakyFailure) -> list[PropertyVerdict]:
     if matched is None:
         raise exc
     note = "; FLAKY: the same spec then passed (non-deterministic implementation?)"
-    return [
-        replace(v, detail=v.detail + note) for failure in _leaves(matched) for v in failure.verdicts
-    ]
-
-
-def _leaves(group: BaseExceptionGroup) -> list[PropertyFailure]:
-    out = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
+    failures = property_failures(matched)
+    return [replace(v, detail=v.detail + note) for failure in failures for v in failure.verdicts]
 
 
 def trigger(adapter: Adapter, spec: CaseSpec) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from lce.backends.triton.forward_kernel import forward_partials
 from lce.tp import merge_stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import kernel_targets  # this script's folder is on sys.path
 from test_triton_stages import reference_grads, reference_rows, reference_stats
 
 SHAPES = {
@@ -41,6 +42,7 @@ SHAPES = {
     "qwen2.5-16k": (16384, 3584, 152064),
     "gemma2-8k": (8192, 2304, 256000),
 }
+TARGET_SHAPE = "llama3-8k"  # where issue 3 sets its targets
 IGNORE = -100
 GIB = float(1 << 30)
 
@@ -424,7 +426,21 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(report, indent=1))
     for result in report["shapes"]:
         print_table(result)
+    for result in report["shapes"]:
+        if result["shape"] == TARGET_SHAPE:
+            print_targets(result, report)
     Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def print_targets(result: dict, report: dict) -> None:
+    """Issue 3's verdicts at one shape, printed and stored in ``report`` (a missing row skips)."""
+    try:
+        verdicts = kernel_targets.judge(result["rows"], result["grads_gib"])
+    except KeyError as exc:
+        print(f"\nissue-3 targets not judged: {exc}")
+        return
+    report[f"targets_{result['shape']}"] = [v.row() for v in verdicts]
+    print(f"\n## issue-3 targets at {result['shape']}\n{kernel_targets.format_verdicts(verdicts)}")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             runnable = min(len(impls) - index, int(left // (STARTUP_S + MIN_SEARCH_S)))
             search_s = left / max(runnable, 1) - STARTUP_S
             if search_s < MIN_SEARCH_S:
-                reason = f"not run: {deadline - began:.0f} s of --total-minutes left"
+                reason = f"not run: {left:.0f} s of --total-minutes left"
                 summary["implementations"].append({"impl": ref, "skipped": reason})
                 sections.append(f"## {ref}: skipped\n\n{reason}\n")
                 print(f"{ref}: skipped ({reason})", flush=True)

@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 
 from lce.backends.triton.backward_kernel import _dlogits_kernel
 from lce.backends.triton.config import GPU_CONFIG, TileShape
-from lce.backends.triton.forward_kernel import _forward_partials_kernel
+from lce.backends.triton.forward_kernel import _forward_partials_kernel, warp_specialized
 
 HOPPER = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -49,7 +49,7 @@ def shared_bytes(kernel, tile: TileShape, dtype: torch.dtype, tma: bool) -> int:
     values = {
         "BLOCK_T": tile.block_t, "BLOCK_V": tile.block_v, "BLOCK_H": tile.block_h,
         "GROUP": tile.group, "EVEN_H": True, "BF16_INTERPRETED": False, "PRECISION": "ieee",
-        "USE_TMA": tma, "WARP_SPECIALIZE": GPU_CONFIG.persistent and tma,  # as forward_partials
+        "USE_TMA": tma, "WARP_SPECIALIZE": warp_specialized(GPU_CONFIG, tma),
     }  # fmt: skip
     constexprs = {(names.index(n),): v for n, v in values.items() if n in names}
     options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}

@@ -33,8 +33,8 @@ class PropertyFailure(AssertionError):
 
 
 class BudgetExhausted(BaseException):
-    """Raised inside a search (from ``on_example``) to stop it; a BaseException, so Hypothesis
-    does not shrink it."""
+    """Raised inside `run_property`'s search past a deadline to stop it; a BaseException, so
+    Hypothesis does not shrink it."""
 
 
 def check_case(

@@ -32,7 +32,7 @@ from verify.adapters.filtering import (
 from verify.adapters.protocol import Adapter
 from verify.adapters.registry import resolve
 from verify.adapters.runner import adapter_runner
-from verify.engine import PropertyFailure, property_failures, run_property
+from verify.engine import PropertyFailure, SearchResult, property_failures, run_property
 from verify.properties.verdict import PropertyVerdict
 from verify.spec import CaseSpec
 from verify.strategies import landmark_specs
@@ -76,19 +76,13 @@ class PropertyOutcome:
     def passed(self) -> bool:
         return not self.failures
 
-    def merge(
-        self,
-        examples: int,
-        known: int,
-        worst_ratio: dict[str, float],
-        failure: list[PropertyVerdict] | None,
-    ) -> None:
-        """Add one batch's tally."""
-        self.examples += examples
-        self.known += known
-        if failure:
-            self.failures.append(Failure(failure))
-        for key, ratio in worst_ratio.items():
+    def merge(self, result: SearchResult) -> None:
+        """Add one batch's tally and failures."""
+        self.examples += result.examples
+        self.known += result.known
+        failures = [result.failure, *result.other_failures] if result.failure else []
+        self.failures += [Failure(verdicts) for verdicts in failures]
+        for key, ratio in result.worst_ratio.items():
             self.worst_ratio[key] = max(self.worst_ratio.get(key, 0.0), ratio)
 
     @property
@@ -219,8 +213,7 @@ class _Search:
         except FlakyFailure as exc:
             outcome.failures.append(Failure(flaky_verdicts(exc)))
             return True
-        outcome.merge(result.examples, result.known, result.worst_ratio, result.failure)
-        outcome.failures += [Failure(verdicts) for verdicts in result.other_failures]
+        outcome.merge(result)
         return not result.stopped
 
 

@@ -243,10 +243,15 @@ def forward_partials(
         num_programs=programs, plane=num_splits * num_tokens, **operands,
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
         PRECISION=config.fp32_precision, **tiles.launch_options(),
-        # Compiled with TMA loads only: the warp-specialized loader issues descriptor loads.
-        WARP_SPECIALIZE=config.persistent and operands["USE_TMA"] and not interpreting(),
+        WARP_SPECIALIZE=warp_specialized(config, operands["USE_TMA"]),
     )  # fmt: skip
     return partials
+
+
+def warp_specialized(config: TritonConfig, tma: bool) -> bool:
+    """Whether the forward is compiled warp-specialized: persistent, TMA loads (the specialized
+    loader issues descriptor loads), and compiled rather than interpreted."""
+    return config.persistent and tma and not interpreting()
 
 
 def _persistent_programs(device: torch.device) -> int:

@@ -51,9 +51,10 @@ def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     elif not _native_fp32_out(a):
         # Row blocks bound the fp32 temporary of the upcast product.
         step = max(1, TEMP_BYTES // (4 * max(1, out.shape[1])))
+        b32 = b.float()
         for start in range(0, out.shape[0], step):
             rows = slice(start, start + step)
-            out[rows].copy_(torch.mm(a[rows].float(), b.float()))
+            out[rows].copy_(torch.mm(a[rows].float(), b32))
     elif out.dtype == torch.float32:
         torch.mm(a, b, out_dtype=torch.float32, out=out)
     else:

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verify.adapters import AdapterError, check_impl, resolve
-from verify.adapters.report import to_json, to_markdown
-from verify.artifacts import device_description, versions
+from verify.adapters.impl_report import to_json, to_markdown
+from verify.results.artifacts import device_description, versions
 
 GPU_DEFAULT = ("liger", "cce", "cce-exact")
 # Measured since the search stops inside its batch: Liger took 64 s on a 50 s budget on an H100

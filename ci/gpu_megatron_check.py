@@ -135,7 +135,7 @@ def _grads(layer, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _token_reference(prob: Problem, hdtype, wdtype, temperature: float, loss: bool):
     """R on the same rounded inputs; upstream grads of the loss or of (logprobs, entropy)."""
-    from verify.reference import reference
+    from verify.numerics.reference import reference
 
     upstream = (
         {"grad_logprob": -prob.g_loss.T.reshape(-1)}
@@ -153,8 +153,8 @@ def _token_reference(prob: Problem, hdtype, wdtype, temperature: float, loss: bo
 
 def _verdicts(ctx: Ctx, case: str, key: str, triples) -> None:
     """compare() each (output, K, R, B) under tolerances.yaml[key][output]."""
-    from verify.compare import compare
-    from verify.tolerances import load
+    from verify.numerics.compare import compare
+    from verify.numerics.tolerances import load
 
     for output, kernel, ref, base in triples:
         # A tied embedding's gradient is a weight gradient (a sum over tokens): same entry.
@@ -166,7 +166,7 @@ def _verdicts(ctx: Ctx, case: str, key: str, triples) -> None:
 def case_loss(ctx: Ctx, prob: Problem, hdtype, wdtype, sp: bool) -> None:
     """SFT: output_layer_loss vs ColumnParallelLinear + vocab_parallel_cross_entropy."""
     from lce.megatron import FusedOutputOptions, output_layer_loss
-    from verify.tolerances import dtype_key
+    from verify.numerics.tolerances import dtype_key
 
     layer = _column_layer(ctx, wdtype, sp, False, ctx.local_rows(prob.weight))
     hidden = ctx.local_rows(prob.hidden) if sp else prob.hidden
@@ -196,7 +196,7 @@ def case_logprobs(ctx: Ctx, prob: Problem, hdtype, wdtype, sp: bool) -> None:
     from lce.megatron import FusedOutputOptions, output_layer_logprobs
     from lce.megatron.head import tp_group_of
     from lce.megatron.stock import stock_logits, stock_token_outputs
-    from verify.tolerances import dtype_key
+    from verify.numerics.tolerances import dtype_key
 
     temperature = 0.7
     layer = _column_layer(ctx, wdtype, sp, False, ctx.local_rows(prob.weight))

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from verify.compare import compare
-from verify.reference import Reference, baseline, reference
-from verify.tolerances import dtype_key, load
+from verify.numerics.compare import compare
+from verify.numerics.reference import Reference, baseline, reference
+from verify.numerics.tolerances import dtype_key, load
 
 
 def reference_and_baseline(

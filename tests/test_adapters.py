@@ -21,11 +21,11 @@ from verify.adapters import (
 )
 from verify.adapters.check import trigger
 from verify.adapters.filtering import coerce, not_tested, properties_for
-from verify.adapters.runner import adapter_runner
-from verify.artifacts import load
+from verify.adapters.pool_routing import adapter_runner
+from verify.cases.spec import CaseSpec
 from verify.distributed import WorkerPool
-from verify.engine import check_case
-from verify.spec import CaseSpec
+from verify.results.artifacts import load
+from verify.running.engine import check_case
 
 pytest_plugins = ["pytester"]
 
@@ -179,7 +179,7 @@ def test_selection_by_name_and_module_function() -> None:
         ("nope", "built-in name"),
         ("no_such_module:fn", "cannot import module"),
         ("verify.adapters:no_such_fn", "has no 'no_such_fn'"),
-        ("verify.spec:REDUCTIONS", "neither an Adapter nor callable"),
+        ("verify.cases.spec:REDUCTIONS", "neither an Adapter nor callable"),
     ],
 )
 def test_bad_selection_names_the_fix(ref: str, message: str) -> None:

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from verify import artifacts
+from verify.cases.spec import CaseSpec
 from verify.properties.verdict import PropertyVerdict
-from verify.spec import CaseSpec
+from verify.results import artifacts
 
 SPEC = CaseSpec(
     tokens=5,

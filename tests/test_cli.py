@@ -7,10 +7,10 @@ import shlex
 
 import pytest
 
-from verify import artifacts
+from verify.cases.spec import CaseSpec
 from verify.cli import EXIT_FAIL, EXIT_PASS, EXIT_USAGE, main
-from verify.engine import check_case
-from verify.spec import CaseSpec
+from verify.results import artifacts
+from verify.running.engine import check_case
 
 MUTANT = "mean_over_all_rows"  # reduction='mean' divides by every row, ignored ones too
 # A case that catches it: half the rows ignored, mean reduction (loss off by a factor of 2).
@@ -64,7 +64,7 @@ def test_corpus_needs_a_directory_with_artifacts(tmp_path, capsys):
 @pytest.fixture
 def planted(tmp_path):
     """An artifact of the mutant's failure on `CAUGHT`, as a campaign would save it."""
-    from verify.mutants import applied
+    from verify.running.mutants import applied
 
     with applied(MUTANT):
         verdicts = check_case(CAUGHT, properties=["differential"])
@@ -161,9 +161,9 @@ def test_a_random_profile_records_the_seed_it_drew(tmp_path, monkeypatch, capsys
 
 
 def test_a_dead_rank_is_an_infrastructure_error_and_the_next_slice_runs(tmp_path, monkeypatch):
-    from verify.campaign import CampaignConfig, run_campaign
-    from verify.progress import Progress
-    from verify.properties import runner
+    from verify.properties import case_runner as runner
+    from verify.running.campaign import CampaignConfig, run_campaign
+    from verify.running.progress import Progress
 
     monkeypatch.setattr(runner, "JOB", "tests.campaign_jobs:die")
     config = CampaignConfig(
@@ -189,8 +189,8 @@ def test_a_dead_rank_is_an_infrastructure_error_and_the_next_slice_runs(tmp_path
 def test_report_without_matplotlib_keeps_its_tables(tmp_path, monkeypatch):
     import sys
 
-    from verify import report
     from verify.properties.verdict import PropertyVerdict
+    from verify.results import report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
     tally = report.Tally()

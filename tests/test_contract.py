@@ -9,8 +9,8 @@ import lce
 from tests.checks import assert_outputs_match, assert_within_tolerance, reference_and_baseline
 from tests.problems import IGNORE, make_problem
 from tests.test_core import BACKENDS, run_lce
-from verify.reference import loss_upstream_grad
-from verify.tolerances import load
+from verify.numerics.reference import loss_upstream_grad
+from verify.numerics.tolerances import load
 
 T, H, V = 29, 24, 67
 

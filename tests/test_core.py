@@ -10,7 +10,7 @@ import torch
 import lce
 from tests.checks import assert_outputs_match, assert_within_tolerance, reference_and_baseline
 from tests.problems import IGNORE, make_problem
-from verify.reference import loss_upstream_grad, reference
+from verify.numerics.reference import loss_upstream_grad, reference
 
 BACKENDS = [
     "torch",

@@ -17,7 +17,7 @@ import torch
 
 from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool
 from verify.distributed.jobs import LceCase, build_problem, shard_bounds
-from verify.reference import reference
+from verify.numerics.reference import reference
 
 DIAG = "verify.distributed.diagnostics"
 VALUES = [1.0, 2.0, 4.0, 8.0]  # powers of two: every subgroup sum is exact and distinct

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 import time
 
-from verify.engine import run_property
-from verify.mutants import applied
-from verify.properties.runner import Runner
-from verify.selftest import SELFTEST_PROPERTIES, selftest_specs
+from verify.properties.case_runner import Runner
+from verify.running.engine import run_property
+from verify.running.mutants import applied
+from verify.running.selftest import SELFTEST_PROPERTIES, selftest_specs
 
 SPECS = selftest_specs((1,))
 

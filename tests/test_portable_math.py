@@ -1,4 +1,5 @@
-"""verify.portable_math: exp/log within a few ulp of libm, exact where R relies on it, and the
+"""verify.numerics.portable_math: exp/log within a few ulp of libm, exact where R relies on it,
+and the
 same bits as recorded here (R's cross-machine reproducibility rests on them)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import math
 import pytest
 import torch
 
-from verify import portable_math
+from verify.numerics import portable_math
 
 # sha256 (first 16 hex digits) of exp and log on `test_same_bits_as_recorded`'s grid.
 EXP_SHA = "cc233171b39909dc"

@@ -1,18 +1,18 @@
 """The property engine's ``ci`` profile on the correct implementation: both backends, TP on a pool.
 
-Every dtype pair, every input class of DESIGN.md within `verify.strategies.LOGIT_BOUND`.
+Every dtype pair, every input class of DESIGN.md within `verify.cases.strategies.LOGIT_BOUND`.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from verify.cases.strategies import case_specs, invalid_specs
 from verify.distributed import WorkerPool
-from verify.engine import run_property
-from verify.properties.runner import Runner
+from verify.properties.case_runner import Runner
 from verify.properties.status import available_backends
-from verify.selftest import SELFTEST_PAIRS, selftest_specs
-from verify.strategies import case_specs, invalid_specs
+from verify.running.engine import run_property
+from verify.running.selftest import SELFTEST_PAIRS, selftest_specs
 
 LOCAL_PROPERTIES = (
     "differential", "contract", "chunk_invariance", "vocab_permutation", "shift_invariance",

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from verify.distributed import WorkerPool
-from verify.mutants import MUTANTS, applied
-from verify.selftest import format_table, mutation_table
+from verify.running.mutants import MUTANTS, applied
+from verify.running.selftest import format_table, mutation_table
 
 MAX_EXAMPLES = 40  # every mutant dies within this many ci examples (measured: <= 30)
 

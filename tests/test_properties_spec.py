@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from verify.build import build, vocab_range
+from verify.cases.build import build, vocab_range
+from verify.cases.spec import CaseSpec, SpecError
+from verify.cases.strategies import case_specs, invalid_specs
 from verify.properties.verdict import flag
-from verify.spec import CaseSpec, SpecError
-from verify.strategies import case_specs, invalid_specs
 
 
 @settings(max_examples=40, derandomize=True, database=None, deadline=None)

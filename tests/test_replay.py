@@ -12,13 +12,13 @@ import sys
 
 import pytest
 
-from verify import artifacts
-from verify.campaign import CampaignConfig, run_campaign
 from verify.cli import CORPUS_DIR
 from verify.distributed import WorkerPool
-from verify.mutants import MUTANTS
-from verify.progress import Progress
-from verify.replay import replay, summary_lines
+from verify.results import artifacts
+from verify.results.replay import replay, summary_lines
+from verify.running.campaign import CampaignConfig, run_campaign
+from verify.running.mutants import MUTANTS
+from verify.running.progress import Progress
 
 # A mutant whose planting changed may need a new case: the self-test finds and saves them.
 REGENERATE = "regenerate with `python -m verify mutants --save-corpus verify/corpus`"
@@ -157,7 +157,7 @@ def test_reference_bits_do_not_depend_on_the_cpu_vector_unit():
     a vectorized reduction is not), so an artifact made on any machine replays its reference."""
     entries = sorted(CORPUS_DIR.glob("*.json"))
     script = (
-        "import sys; from verify import artifacts\n"
+        "import sys; from verify.results import artifacts\n"
         "for p in sys.argv[1:]: print(artifacts.reference_sha256(artifacts.load(p).spec))"
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from verify.cases.spec import CaseSpec
+from verify.numerics.tolerances import load
 from verify.properties.verdict import pair_check, tolerance_check
-from verify.spec import CaseSpec
-from verify.tolerances import load
 
 SPEC = CaseSpec()
 TOL = load().get("fp32", "grad_weight")

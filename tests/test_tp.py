@@ -9,10 +9,10 @@ from tests.checks import assert_outputs_match, assert_within_tolerance, referenc
 from tests.problems import make_problem
 from tests.test_core import BACKENDS
 from tests.tp_jobs import DTYPES, LOSS_GRAD
-from verify.compare import compare
 from verify.distributed import WorkerError, WorkerPool
-from verify.reference import loss_upstream_grad
-from verify.tolerances import load
+from verify.numerics.compare import compare
+from verify.numerics.reference import loss_upstream_grad
+from verify.numerics.tolerances import load
 
 JOB = "tests.tp_jobs:run_tp_case"
 

@@ -11,7 +11,9 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-CORPUS_DIR = Path(__file__).resolve().parent / "corpus"  # the regression corpus (verify.corpus)
+CORPUS_DIR = (
+    Path(__file__).resolve().parent / "corpus"
+)  # the regression corpus (verify.results.corpus)
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
@@ -193,7 +195,7 @@ def _add_replay_options(p: argparse.ArgumentParser) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.impl is not None:
         return _with_impl(lambda command: command.run_impl(args))
-    from verify.campaign import CampaignConfig, run_campaign
+    from verify.running.campaign import CampaignConfig, run_campaign
 
     config = CampaignConfig(
         profile=args.profile,
@@ -230,12 +232,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from verify import artifacts
+    from verify.results import artifacts
 
     if args.times < 1:
         raise UsageError(f"--times must be >= 1, got {args.times}")
     loaded = _load_all(args.files, artifacts)
-    from verify.replay import KEEP
+    from verify.results.replay import KEEP
 
     if args.impl is not None or any(a.record.get("impl") for a in loaded):
         return _with_impl(
@@ -252,7 +254,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_rehash(args: argparse.Namespace) -> int:
-    from verify import artifacts
+    from verify.results import artifacts
 
     for artifact in _load_all(args.files, artifacts):
         old, new = artifacts.rehash(artifact.path)
@@ -262,7 +264,7 @@ def _cmd_rehash(args: argparse.Namespace) -> int:
 
 
 def _cmd_corpus(args: argparse.Namespace) -> int:
-    from verify import artifacts
+    from verify.results import artifacts
 
     if not args.dir.is_dir():
         raise UsageError(f"--dir {args.dir}: not a directory")
@@ -270,7 +272,7 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
     if not files:
         raise UsageError(f"--dir {args.dir}: holds no *.json artifacts")
     loaded = _load_all(files, artifacts)
-    from verify.corpus import plans
+    from verify.results.corpus import plans
 
     skipped = _beyond_gpus(loaded, args)
     for artifact in skipped:
@@ -303,9 +305,9 @@ def _beyond_gpus(loaded: list, args: argparse.Namespace) -> list:
 def _cmd_mutants(args: argparse.Namespace) -> int:
     import json
 
-    from verify.corpus import save_kill
-    from verify.mutants import MUTANTS
-    from verify.selftest import format_table, mutation_table
+    from verify.results.corpus import save_kill
+    from verify.running.mutants import MUTANTS
+    from verify.running.selftest import format_table, mutation_table
 
     names = list(args.only or MUTANTS)
     unknown = [n for n in names if n not in MUTANTS]
@@ -341,7 +343,7 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
 def _replay_all(loaded, args, plans: Callable, times: int, annotate: bool) -> int:
     """Replay each artifact under each ``(mutant, must_pass)`` plan; print one block per replay
     (``annotate``: mark outcomes other than the expected one). 0 when all went as expected."""
-    from verify.replay import replay, summary_lines
+    from verify.results.replay import replay, summary_lines
 
     for artifact in loaded:
         _check_override(artifact, args)
@@ -371,7 +373,7 @@ def _replay_all(loaded, args, plans: Callable, times: int, annotate: bool) -> in
 
 
 def _check_override(artifact, args: argparse.Namespace) -> None:
-    from verify.spec import SpecError
+    from verify.cases.spec import SpecError
 
     changes = {k: v for k, v in (("backend", args.backend), ("tp", args.tp)) if v is not None}
     try:

@@ -5,15 +5,15 @@ profile; `replay_impl` re-runs a saved failure through it.
 """
 
 from verify.adapters.check import ImplReport, check_impl
-from verify.adapters.protocol import (
+from verify.adapters.impl_replay import replay_impl
+from verify.adapters.interface import (
     Adapter,
     AdapterError,
     Call,
     Capabilities,
     NumericalContract,
 )
-from verify.adapters.registry import from_loss_fn, names, resolve
-from verify.adapters.replay import replay_impl
+from verify.adapters.selection import from_loss_fn, names, resolve
 
 __all__ = [
     "Adapter",

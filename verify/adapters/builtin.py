@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import lce
-from verify.adapters.protocol import Adapter, AdapterError, Call, Capabilities, NumericalContract
-from verify.spec import BACKENDS
+from verify.adapters.interface import Adapter, AdapterError, Call, Capabilities, NumericalContract
+from verify.cases.spec import BACKENDS
 
 
 def _lce_tokens(call: Call) -> dict[str, torch.Tensor]:

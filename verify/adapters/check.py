@@ -19,7 +19,6 @@ from typing import Any
 
 from hypothesis.errors import FlakyFailure, Unsatisfiable
 
-from verify import artifacts
 from verify.adapters.filtering import (
     Untested,
     backends_for,
@@ -29,13 +28,14 @@ from verify.adapters.filtering import (
     properties_for,
     specs_for,
 )
-from verify.adapters.protocol import Adapter
-from verify.adapters.registry import resolve
-from verify.adapters.runner import adapter_runner
-from verify.engine import PropertyFailure, SearchResult, property_failures, run_property
+from verify.adapters.interface import Adapter
+from verify.adapters.pool_routing import adapter_runner
+from verify.adapters.selection import resolve
+from verify.cases.spec import CaseSpec
+from verify.cases.strategies import landmark_specs
 from verify.properties.verdict import PropertyVerdict
-from verify.spec import CaseSpec
-from verify.strategies import landmark_specs
+from verify.results import artifacts
+from verify.running.engine import PropertyFailure, SearchResult, property_failures, run_property
 
 BATCH_EXAMPLES = 20  # examples per seeded batch of a timed search
 MAX_FAILURES = 3  # distinct failures a timed search collects per property

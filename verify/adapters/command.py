@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 from verify.adapters.check import check_impl
-from verify.adapters.registry import resolve
-from verify.adapters.replay import replay_impl
-from verify.adapters.report import to_json, to_markdown
+from verify.adapters.impl_replay import replay_impl
+from verify.adapters.impl_report import to_json, to_markdown
+from verify.adapters.selection import resolve
 
 EXIT_PASS, EXIT_FAIL = 0, 1
 
@@ -43,8 +43,8 @@ def run_impl(args: argparse.Namespace) -> int:
 
 def replay_with_impl(files: list[Path], impl: str | None, times: int, device: str) -> int:
     """Replay each artifact through ``impl`` (default: the one recorded in the artifact)."""
-    from verify import artifacts
-    from verify.replay import summary_lines
+    from verify.results import artifacts
+    from verify.results.replay import summary_lines
 
     loaded = [artifacts.load(path) for path in files]
     ok = True

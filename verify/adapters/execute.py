@@ -11,17 +11,17 @@ from typing import Any
 
 import torch
 
-from verify.adapters.protocol import Adapter, Call
-from verify.build import IGNORE_INDEX, Problem, build
+from verify.adapters.interface import Adapter, Call
+from verify.cases.build import IGNORE_INDEX, Problem, build
+from verify.cases.spec import CaseSpec
 from verify.properties import job
-from verify.spec import CaseSpec
 
 ADAPTER_JOB = "verify.adapters.execute:adapter_job"
 
 
 def adapter_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """``payload``: the engine's job payload plus ``"impl"``, the adapter's ref."""
-    from verify.adapters.registry import resolve
+    from verify.adapters.selection import resolve
 
     return execute_payload(payload, ctx, resolve(payload["impl"]))
 
@@ -34,7 +34,9 @@ def execute_payload(payload: dict[str, Any], ctx: Any, adapter: Adapter) -> dict
     mutant = payload.get("mutant")
     if mutant is None:
         return execute(spec, ctx, adapter)
-    from verify.mutants import applied  # mutants patch lce: meaningful for the lce adapter only
+    from verify.running.mutants import (
+        applied,
+    )  # mutants patch lce: meaningful for the lce adapter only
 
     with applied(mutant):
         return execute(spec, ctx, adapter)

@@ -12,11 +12,11 @@ from functools import partial
 
 from hypothesis import strategies as st
 
-from verify.adapters.protocol import Adapter
-from verify.properties.registry import PROPERTIES
+from verify.adapters.interface import Adapter
+from verify.cases.spec import DTYPE_PAIRS, REDUCTIONS, CaseSpec
+from verify.cases.strategies import case_specs, invalid_specs
+from verify.properties.catalog import PROPERTIES
 from verify.properties.status import available_backends
-from verify.spec import DTYPE_PAIRS, REDUCTIONS, CaseSpec
-from verify.strategies import case_specs, invalid_specs
 
 
 @dataclass(frozen=True)

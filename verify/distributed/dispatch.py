@@ -15,8 +15,8 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from verify.distributed.errors import PoolError, WorkerDied, WorkerError, WorkerHung
+from verify.distributed.messages import JobRequest, Reply
 from verify.distributed.processes import WorkerProcess
-from verify.distributed.protocol import JobRequest, Reply
 from verify.distributed.rendezvous import tp_slots
 
 

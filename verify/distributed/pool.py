@@ -21,7 +21,7 @@ import torch
 from verify.distributed import processes
 from verify.distributed.dispatch import Dispatch, JobStats
 from verify.distributed.errors import PoolError, WorkerDied, WorkerError, WorkerHung
-from verify.distributed.protocol import Ready
+from verify.distributed.messages import Ready
 from verify.distributed.rendezvous import tp_sizes
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from verify.distributed.channels import PipeChannel
-from verify.distributed.protocol import Shutdown
+from verify.distributed.messages import Shutdown
 
 
 @dataclass

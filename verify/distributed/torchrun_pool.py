@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from verify.distributed.channels import StoreChannel
 from verify.distributed.errors import PoolError, WorkerError, WorkerHung
-from verify.distributed.protocol import JobRequest, Reply, Shutdown
+from verify.distributed.messages import JobRequest, Reply, Shutdown
 from verify.distributed.rendezvous import Topology, tp_sizes
 from verify.distributed.worker import execute
 

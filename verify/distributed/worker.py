@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from verify.distributed import rendezvous
 from verify.distributed.channels import PipeChannel
-from verify.distributed.protocol import JobRequest, Ready, Reply, Shutdown
+from verify.distributed.messages import JobRequest, Ready, Reply, Shutdown
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from verify.build import IGNORE_INDEX, TIE_SCALE, Problem, build, effective_temperature
-from verify.reference import Reference, baseline, loss_upstream_grad, reference
-from verify.spec import CaseSpec
+from verify.cases.build import IGNORE_INDEX, TIE_SCALE, Problem, build, effective_temperature
+from verify.cases.spec import CaseSpec
+from verify.numerics.reference import Reference, baseline, loss_upstream_grad, reference
 
 # Which tolerances.yaml output judges each job output.
 TOLERANCE_OUTPUT = {

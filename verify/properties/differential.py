@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from verify.build import IGNORE_INDEX
+from verify.cases.build import IGNORE_INDEX
+from verify.cases.spec import DTYPES, CaseSpec
+from verify.numerics.tolerances import load
 from verify.properties.case import TOLERANCE_OUTPUT, KernelRun, expected
-from verify.properties.runner import Runner
+from verify.properties.case_runner import Runner
 from verify.properties.verdict import PropertyVerdict, exact_check, flag, tolerance_check
-from verify.spec import DTYPES, CaseSpec
-from verify.tolerances import load
 
 PER_TOKEN = ("logprobs", "entropy", "loss", "grad_hidden", "loss_grad_hidden")
 

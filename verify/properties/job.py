@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import lce
-from verify.build import (
+from verify.cases.build import (
     IGNORE_INDEX,
     Problem,
     build,
@@ -23,7 +23,7 @@ from verify.build import (
     tied_hidden,
     vocab_range,
 )
-from verify.spec import CaseSpec
+from verify.cases.spec import CaseSpec
 
 JOB = "verify.properties.job:run_case"
 # Exceptions that count as "lce refused the input" (status agreement); anything else propagates.
@@ -47,7 +47,7 @@ def run_case(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
     mutant = payload.get("mutant")
     if mutant is None:
         return execute(spec, ctx)
-    from verify.mutants import applied  # only self-tests plant bugs
+    from verify.running.mutants import applied  # only self-tests plant bugs
 
     with applied(mutant):
         return execute(spec, ctx)

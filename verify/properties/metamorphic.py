@@ -11,9 +11,11 @@ import math
 
 import torch
 
-from verify.build import TIE_SCALE, build, draw
+from verify.cases.build import TIE_SCALE, build, draw
+from verify.cases.spec import DTYPES, LINEARITY_A, CaseSpec
+from verify.numerics.tolerances import load
 from verify.properties.case import TOLERANCE_OUTPUT, KernelRun, expected
-from verify.properties.runner import Runner
+from verify.properties.case_runner import Runner
 from verify.properties.verdict import (
     PropertyVerdict,
     bound_check,
@@ -22,8 +24,6 @@ from verify.properties.verdict import (
     pair_check,
     tolerance_check,
 )
-from verify.spec import DTYPES, LINEARITY_A, CaseSpec
-from verify.tolerances import load
 
 GRADS = ("grad_hidden", "grad_weight", "loss_grad_hidden", "loss_grad_weight")
 

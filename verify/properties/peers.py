@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verify.build import IGNORE_INDEX, build, effective_temperature, vocab_range
+from verify.cases.build import IGNORE_INDEX, build, effective_temperature, vocab_range
+from verify.cases.spec import CaseSpec
+from verify.numerics.reference import loss_upstream_grad
+from verify.numerics.tolerances import load
 from verify.properties.case import TOLERANCE_OUTPUT, expected
-from verify.properties.runner import Runner
+from verify.properties.case_runner import Runner
 from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
-from verify.reference import loss_upstream_grad
-from verify.spec import CaseSpec
-from verify.tolerances import load
 
 MEGATRON_JOB = "verify.properties.peers:megatron_job"
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from lce.backends import resolve_backend_name
-from verify.properties.runner import Runner
+from verify.cases.spec import BACKENDS, CaseSpec
+from verify.properties.case_runner import Runner
 from verify.properties.verdict import PropertyVerdict, flag
-from verify.spec import BACKENDS, CaseSpec
 
 # The word each fault's error message must contain: the argument a user has to fix.
 NAMED_ARGUMENT = {

@@ -1,6 +1,7 @@
 """`PropertyVerdict`: one property's judgement of one output of one case, printable in one line.
 
-Wraps `verify.compare.Verdict` (tiers ratio / envelope / nonfinite) and adds the exact-tier and
+Wraps `verify.numerics.compare.Verdict` (tiers ratio / envelope / nonfinite) and adds the exact-tier
+and
 status checks, the property's name and the spec, so a failure says what, where, by how much, and
 how to replay it.
 """
@@ -13,10 +14,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from verify.compare import Verdict, compare
+from verify.cases.spec import CaseSpec
+from verify.numerics.compare import Verdict, compare
+from verify.numerics.tolerances import Tolerance
 from verify.properties import known
-from verify.spec import CaseSpec
-from verify.tolerances import Tolerance
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def tolerance_check(
     runs: int = 1,
 ) -> PropertyVerdict:
     """Tiers 1-2 of tolerances.yaml: ``kernel`` vs float64 ``ref``; ``base`` is B's value;
-    ``runs`` as in `verify.compare.compare`."""
+    ``runs`` as in `verify.numerics.compare.compare`."""
     verdict = from_compare(prop, spec, compare(output, kernel, ref, base, tol, runs))
     if verdict.passed or base is None or verdict.tier not in ("ratio", "envelope"):
         return verdict
@@ -89,7 +90,8 @@ def tolerance_check(
 def _ratio_tier_ok(
     kernel: torch.Tensor, ref: torch.Tensor, base: torch.Tensor, tol: Tolerance, runs: int
 ) -> bool:
-    """Tier 1 of `verify.compare.compare` alone (max and mean of |K - R| vs alpha |B - R|)."""
+    """Tier 1 of `verify.numerics.compare.compare` alone: max and mean of |K - R| vs
+    alpha |B - R|."""
     k, r, b = (t.detach().to(torch.float64).reshape(-1) for t in (kernel, ref, base))
     finite = torch.isfinite(r)
     k, r, b = k[finite], r[finite], b[finite]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verify.spec import DTYPES, LINEARITY_A, CaseSpec, shard_bounds
+from verify.cases.spec import DTYPES, LINEARITY_A, CaseSpec, shard_bounds
 
 IGNORE_INDEX = -100
 PEAK_MARGIN = 10.0  # peaked rows: target logit = row max + 10

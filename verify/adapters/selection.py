@@ -16,8 +16,8 @@ from functools import cache
 import torch
 
 from verify.adapters.builtin import BUILTIN, flat_loss_adapter
-from verify.adapters.protocol import Adapter, AdapterError, Capabilities, NumericalContract
-from verify.spec import REDUCTIONS
+from verify.adapters.interface import Adapter, AdapterError, Capabilities, NumericalContract
+from verify.cases.spec import REDUCTIONS
 
 
 def resolve(name_or_path: str | Adapter) -> Adapter:

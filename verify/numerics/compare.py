@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from verify.tolerances import Tolerance
+from verify.numerics.tolerances import Tolerance
 
 
 @dataclass(frozen=True)

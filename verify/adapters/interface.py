@@ -1,7 +1,8 @@
 """The adapter protocol: what an implementation under test computes, supports and promises.
 
 An `Adapter` wraps one linear-cross-entropy implementation. The harness builds every case from a
-`verify.spec.CaseSpec`, hands the implementation a `Call`, and judges what comes back against the
+`verify.cases.spec.CaseSpec`, hands the implementation a `Call`, and judges what comes back against
+the
 float64 reference with the tolerance entries its `NumericalContract` selects. Features the
 `Capabilities` do not claim are never generated for it; `verify.adapters.filtering.not_tested`
 lists them for the report.
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from verify.spec import BACKENDS, DTYPE_PAIRS, REDUCTIONS
+from verify.cases.spec import BACKENDS, DTYPE_PAIRS, REDUCTIONS
 
 OUTPUTS = ("logprobs", "entropy", "loss")
 LOGITS = ("fp32", "input")

@@ -15,12 +15,12 @@ from hypothesis import Phase, example, given, settings, target
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure
 
-from verify.profiles import profile_settings
-from verify.properties.registry import PROPERTIES, get
-from verify.properties.runner import Runner
+from verify.cases.spec import CaseSpec
+from verify.cases.strategies import case_specs
+from verify.properties.case_runner import Runner
+from verify.properties.catalog import PROPERTIES, get
 from verify.properties.verdict import PropertyVerdict
-from verify.spec import CaseSpec
-from verify.strategies import case_specs
+from verify.running.profiles import profile_settings
 
 
 class PropertyFailure(AssertionError):
@@ -105,9 +105,10 @@ def run_property(
 ) -> SearchResult:
     """Search ``strategy`` (default `case_specs()` at the runner's TP degrees) for a spec that
     fails property ``name`` (or any of several names), under a settings profile of
-    `verify.profiles`. ``seed`` randomizes a derandomized profile (fresh examples per seed).
+    `verify.running.profiles`. ``seed`` randomizes a derandomized profile (fresh examples per seed).
     Never raises on a property failure: the result carries the (shrunk unless ``shrink=False``)
-    failing verdicts. ``examples`` run first (e.g. `verify.strategies.landmark_specs`); several
+    failing verdicts. ``examples`` run first (e.g. `verify.cases.strategies.landmark_specs`);
+    several
     of them failing, or a profile reporting several distinct bugs, give ``other_failures``.
 
     ``deadlines`` (``time.monotonic()`` seconds): the search stops after the example that ends

@@ -1,7 +1,7 @@
 """`CaseSpec`: the small, frozen, JSON-serializable description of one generated case.
 
-Every tensor of a case is a function of its spec alone (see `verify.build`), so a spec saved as one
-JSON line replays the same numbers at any TP degree and on any machine.
+Every tensor of a case is a function of its spec alone (see `verify.cases.build`), so a spec
+saved as one JSON line replays the same numbers at any TP degree and on any machine.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ FAULTS = (
     "hidden_size_mismatch",
     "targets_float",
 )
-# Metamorphic transforms applied by `verify.build` after the base problem is drawn.
+# Metamorphic transforms applied by `verify.cases.build` after the base problem is drawn.
 TRANSFORMS = (
     "none",
     "vocab_permute",  # weight rows permuted, targets remapped

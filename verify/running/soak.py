@@ -1,5 +1,5 @@
 """Run the ``ci`` profile N times with different seeds and count false failures (issue 4's
-"zero false failures across 20 consecutive runs"): ``python -m verify.soak --runs 20``."""
+"zero false failures across 20 consecutive runs"): ``python -m verify.running.soak --runs 20``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import argparse
 import json
 import time
 
-from verify.engine import run_property
-from verify.properties.runner import Runner
-from verify.selftest import selftest_specs
+from verify.properties.case_runner import Runner
+from verify.running.engine import run_property
+from verify.running.selftest import selftest_specs
 
 SOAK_PROPERTIES = (
     "differential", "contract", "chunk_invariance", "vocab_permutation", "shift_invariance",

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from verify import artifacts
-from verify.engine import check_case
-from verify.mutants import MUTANTS
-from verify.properties.runner import Runner
-from verify.spec import CaseSpec
+from verify.cases.spec import CaseSpec
+from verify.properties.case_runner import Runner
+from verify.results import artifacts
+from verify.running.engine import check_case
+from verify.running.mutants import MUTANTS
 
 
 def plans(
@@ -29,7 +29,8 @@ def plans(
 
 
 def save_kill(row: Any, pool: Any | None, directory: Path, device: str = "cpu") -> Path | None:
-    """Save a `verify.selftest.KillRow`'s shrunk spec as a corpus entry for its killing property.
+    """Save a `verify.running.selftest.KillRow`'s shrunk spec as a corpus entry for its killing
+    property.
 
     None when the mutant was not killed, when that property fails the spec without the mutant
     too (the entry would not pass), or passes it with the mutant (the kill needed other

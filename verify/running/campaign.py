@@ -19,16 +19,16 @@ from typing import Any
 
 from hypothesis import Phase
 
-from verify import artifacts, report
+from verify.cases.spec import BACKENDS, DTYPE_PAIRS, CaseSpec
+from verify.cases.strategies import case_specs, invalid_specs
 from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool
 from verify.distributed.errors import PoolError
-from verify.engine import run_property
-from verify.profiles import profile_settings
-from verify.progress import Progress
-from verify.properties.registry import PROPERTIES
-from verify.properties.runner import Runner
-from verify.spec import BACKENDS, DTYPE_PAIRS, CaseSpec
-from verify.strategies import case_specs, invalid_specs
+from verify.properties.case_runner import Runner
+from verify.properties.catalog import PROPERTIES
+from verify.results import artifacts, report
+from verify.running.engine import run_property
+from verify.running.profiles import profile_settings
+from verify.running.progress import Progress
 
 # tolerances.yaml dtype key -> (hidden, weight) dtype pair of the spec
 PAIR_OF = {h if h == w else f"{h}_{w}": (h, w) for h, w in DTYPE_PAIRS}

@@ -1,6 +1,6 @@
 """Smoke test of a local pool on this machine: collectives, the lce job, and fault recovery.
 
-    python -m verify.distributed.selftest [--device cuda] [--world-size N]
+    python -m verify.distributed.smoke [--device cuda] [--world-size N]
 
 Prints one line per check and exits non-zero if any check fails (e.g. on a new GPU host).
 """

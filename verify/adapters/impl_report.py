@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from verify.adapters.check import ImplReport
-from verify.artifacts import json_number, verdict_record
+from verify.results.artifacts import json_number, verdict_record
 
 
 def to_json(report: ImplReport) -> dict[str, Any]:

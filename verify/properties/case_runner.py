@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from verify.cases.spec import CaseSpec
 from verify.properties.case import KernelRun, assemble
 from verify.properties.job import JOB, LocalContext, run_case
-from verify.spec import CaseSpec
 
 
 class NeedsPool(ValueError):
@@ -15,7 +15,7 @@ class NeedsPool(ValueError):
 
 
 class Runner:
-    """Runs case specs, optionally with a planted bug (``mutant``, see `verify.mutants`).
+    """Runs case specs, optionally with a planted bug (``mutant``, see `verify.running.mutants`).
 
     TP = 1 runs in this process unless ``pool_for_tp1``; TP > 1 needs ``pool`` (a
     `verify.distributed.WorkerPool`). The last few runs are cached per spec, since several

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from verify.spec import CaseSpec
-from verify.tolerances import EXACT_FIELDS, FIELDS, OUTPUTS, Tolerances
-from verify.tolerances import load as load_tolerances
+from verify.cases.spec import CaseSpec
+from verify.numerics.tolerances import EXACT_FIELDS, FIELDS, OUTPUTS, Tolerances
+from verify.numerics.tolerances import load as load_tolerances
 
 SCHEMA = "lce-failure"
 SCHEMA_VERSION = 1

@@ -12,7 +12,10 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from verify.artifacts import (
+from verify.cases.spec import CaseSpec
+from verify.properties.case import KernelRun
+from verify.properties.case_runner import Runner
+from verify.results.artifacts import (
     Artifact,
     display_path,
     is_failure,
@@ -21,10 +24,7 @@ from verify.artifacts import (
     update_digest,
     verdict_record,
 )
-from verify.engine import check_case
-from verify.properties.case import KernelRun
-from verify.properties.runner import Runner
-from verify.spec import CaseSpec
+from verify.running.engine import check_case
 
 KEEP = object()  # replay's default for ``mutant``: plant the bug the artifact was found with
 

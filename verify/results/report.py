@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verify.artifacts import is_failure, json_number, verdict_record
+from verify.results.artifacts import is_failure, json_number, verdict_record
 
 SCHEMA = "lce-campaign-report"
 SCHEMA_VERSION = 1
@@ -161,7 +161,7 @@ def write(
     out.mkdir(parents=True, exist_ok=True)
     png: Path | None = out / PLOT_FILE
     try:
-        from verify.ratio_plot import plot_ratios
+        from verify.results.ratio_plot import plot_ratios
 
         plot_ratios({key: cell.ratios for key, cell in tally.cells.items()}, png, meta["title"])
     except ImportError:  # matplotlib is an optional extra (lce[verify]); the tables still tell

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from verify.adapters.execute import ADAPTER_JOB, execute_payload
-from verify.adapters.protocol import Adapter
+from verify.adapters.interface import Adapter
+from verify.properties.case_runner import NeedsPool, Runner
 from verify.properties.job import JOB, LocalContext
-from verify.properties.runner import NeedsPool, Runner
 
 
 class ImplPool:

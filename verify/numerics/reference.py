@@ -6,9 +6,9 @@ hidden is first cast to weight's dtype (as lce does for the matmul).
 R is the same bits on every machine, so a failure artifact's reference replays bit for bit
 anywhere: every sum is a fixed sequence of IEEE additions (`ordered_sum`), never a BLAS GEMM or a
 vectorized reduction (their order depends on the CPU: AVX2 and AVX-512 give different float64
-bits), exp and log are built from basic operations (`verify.portable_math`; torch's differ by an
-ulp between builds), and its gradients are closed-form. B is what users run (BLAS, autograd), bits
-and all.
+bits), exp and log are built from basic operations (`verify.numerics.portable_math`; torch's
+differ by an ulp between builds), and its gradients are closed-form. B is what users run (BLAS,
+autograd), bits and all.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verify import portable_math
+from verify.numerics import portable_math
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Replay a failure artifact through the implementation it names (its ``impl`` field).
 
-`verify.replay.replay` with every run (TP = 1 included) routed to the adapter through `ImplPool`;
+`verify.results.replay.replay` with every run (TP = 1 included) routed to the adapter through
+`ImplPool`;
 artifacts without ``impl`` replay on lce.
 """
 
@@ -9,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from verify import artifacts
-from verify.adapters.protocol import Adapter
-from verify.adapters.registry import resolve
-from verify.adapters.runner import ImplPool
-from verify.replay import ReplayResult, replay
+from verify.adapters.interface import Adapter
+from verify.adapters.pool_routing import ImplPool
+from verify.adapters.selection import resolve
+from verify.results import artifacts
+from verify.results.replay import ReplayResult, replay
 
 
 def replay_impl(

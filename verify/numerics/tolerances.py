@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
-DEFAULT_PATH = Path(__file__).resolve().parents[1] / "tolerances.yaml"
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "tolerances.yaml"
 DTYPES = ("fp32", "bf16", "fp16", "fp32_bf16", "fp64")
 OUTPUTS = ("logprobs", "entropy", "loss", "grad_hidden", "grad_weight")
 FIELDS = ("alpha", "floor", "atol", "rtol")

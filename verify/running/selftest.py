@@ -1,4 +1,4 @@
-"""The mutation self-test: does the engine kill every planted bug of `verify.mutants`?
+"""The mutation self-test: does the engine kill every planted bug of `verify.running.mutants`?
 
 `mutation_table()` searches with each mutant planted, records which property killed it after how
 many examples and the shrunk spec, and re-checks that spec without the mutant (a kill only counts
@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass
 
 from hypothesis import strategies as st
 
-from verify.engine import check_case, run_property
-from verify.mutants import MUTANTS
-from verify.properties.runner import Runner
-from verify.spec import DTYPE_PAIRS, CaseSpec
-from verify.strategies import case_specs, landmark_specs
+from verify.cases.spec import DTYPE_PAIRS, CaseSpec
+from verify.cases.strategies import case_specs, landmark_specs
+from verify.properties.case_runner import Runner
+from verify.running.engine import check_case, run_property
+from verify.running.mutants import MUTANTS
 
 # Properties of the self-test: everything the generator's valid specs exercise, minus the peers
 # (slow, and a peer is an oracle for lce's precision, not for these bug classes).

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from verify.cases.spec import CaseSpec
 from verify.properties import differential, metamorphic, peers, status
-from verify.properties.runner import Runner
+from verify.properties.case_runner import Runner
 from verify.properties.verdict import PropertyVerdict
-from verify.spec import CaseSpec
 
 Check = Callable[[CaseSpec, Runner], list[PropertyVerdict]]
 

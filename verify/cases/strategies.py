@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from verify.spec import (
+from verify.cases.spec import (
     DTYPE_PAIRS,
     FAULTS,
     GRADS,

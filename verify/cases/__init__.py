@@ -1,0 +1,1 @@
+"""Cases: the frozen `CaseSpec`, the tensors built from it, and the Hypothesis strategies."""

@@ -1,0 +1,1 @@
+"""Results: failure artifacts, their replay, the regression corpus, and campaign reports."""

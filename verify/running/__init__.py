@@ -1,0 +1,1 @@
+"""Running the engine: the function API, campaigns, profiles, planted bugs and the self-test."""

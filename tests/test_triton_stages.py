@@ -21,8 +21,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from lce.backends import gemm
 from lce.backends.base import BackwardRows
-from lce.backends.triton import TileShape, TritonConfig, TritonStages, forward_kernel, gemm
+from lce.backends.triton import TileShape, TritonConfig, TritonStages, forward_kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,7 +1,7 @@
 """Pure-PyTorch backend: the stages over token chunks, at most ``[chunk, V_local]`` logits at once.
 
 Logits are ``hidden @ weight.T`` in the inputs' dtype (the stock path's rounding), then fp32 softmax
-math (fp64 for fp64 inputs); grad_weight accumulates across chunks in fp32.
+math (fp64 for fp64 inputs); both gradients accumulate in fp32 (one rounding at the end).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import fields
 import torch
 
 from lce.backends.base import BackwardRows, ShardStats, accumulation_dtype, select_rows
+from lce.backends.gemm import addmm_, mm_into
 from lce.tp import GlobalStats
 
 # Elements of one [chunk, V_local] fp32 block: 16 Mi = 64 MiB, so peak stays a few such blocks.
@@ -25,8 +26,8 @@ class TorchChunkedStages:
     """Token-chunked forward statistics and gradients; works on any device torch supports."""
 
     def __init__(self, chunk_size: int | None = None) -> None:
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1 (tokens per chunk), got {chunk_size}")
+        """``chunk_size``: tokens per chunk (checked by `lce.options.LCEOptions`); None: ~64 MiB
+        of fp32 logits per chunk."""
         self.chunk_size = chunk_size
 
     def _chunks(self, num_tokens: int, vocab_local: int) -> Iterator[slice]:
@@ -200,16 +201,14 @@ def _accumulate(
     grad_hidden: torch.Tensor | None,
     grad_weight: torch.Tensor | None,
 ) -> None:
-    """grad_hidden[rows] = d @ W; grad_weight += d.T @ hidden[rows] (GEMMs in weight's dtype)."""
+    """grad_hidden[rows] = d @ W; grad_weight += d.T @ hidden[rows].
+
+    ``d`` is rounded to weight's dtype (the stock path's d_logits); the products are summed in the
+    fp32 buffers, so grad_weight is rounded to a low-precision dtype once, at the end, whatever
+    the number of chunks (a per-chunk rounding made the error grow with the chunk count).
+    """
     d = d.to(weight.dtype)
-    same_dtype = d.dtype == accumulation_dtype(weight.dtype)  # fp32/fp64: write in place
     if grad_hidden is not None:
-        if same_dtype:
-            torch.mm(d, weight, out=grad_hidden[rows])
-        else:
-            grad_hidden[rows] = d @ weight
+        mm_into(d, weight, out=grad_hidden[rows])
     if grad_weight is not None:
-        if same_dtype:
-            grad_weight.addmm_(d.T, hidden[rows])
-        else:
-            grad_weight += d.T @ hidden[rows]
+        addmm_(grad_weight, d.T, hidden[rows])

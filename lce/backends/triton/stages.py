@@ -12,10 +12,10 @@ from dataclasses import fields
 import torch
 
 from lce.backends.base import BackwardRows, ShardStats
+from lce.backends.gemm import addmm_, mm_into
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.config import TritonConfig, default_config
 from lce.backends.triton.forward_kernel import forward_partials, merge_partials
-from lce.backends.triton.gemm import addmm_, mm_into
 
 
 def _check_operands(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Backward stage, part 2: the two gradient GEMMs, accumulated in fp32 from low-precision operands.
+"""The backward's gradient GEMMs, accumulated in fp32 from low-precision operands (both backends).
 
 On CUDA, cuBLAS accumulates in fp32 and writes either fp32 (``out_dtype``) or the operands' dtype,
 with its split-K partial sums reduced in fp32 (`fp32_reductions`), so a low-precision result is the
@@ -16,8 +16,11 @@ import torch
 TEMP_BYTES = 64 << 20
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
 def _native_fp32_out(a: torch.Tensor) -> bool:
-    return a.is_cuda and a.dtype in (torch.float16, torch.bfloat16)
+    return a.is_cuda and a.dtype in LOW_PRECISION
 
 
 @contextmanager
@@ -45,8 +48,8 @@ def fp32_reductions() -> Iterator[None]:
 
 
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b`` accumulated in fp32, rounded once into ``out``'s dtype."""
-    if a.dtype == torch.float32:
+    """``out = a @ b`` accumulated in fp32 (fp64 for fp64), rounded once into ``out``'s dtype."""
+    if a.dtype not in LOW_PRECISION:
         torch.mm(a, b, out=out)
     elif not _native_fp32_out(a):
         # Row blocks bound the fp32 temporary of the upcast product.
@@ -63,8 +66,8 @@ def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` fp32; one fp32 rounding of the product per call."""
-    if a.dtype == torch.float32:
+    """``acc += a @ b`` with ``acc`` fp32 (or fp64 with fp64 operands); products summed in fp32."""
+    if a.dtype not in LOW_PRECISION:
         acc.addmm_(a, b)
     elif _native_fp32_out(a):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)

@@ -7,10 +7,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lce.autograd import FusedLogprobEntropy, FusedScalarLoss
-from lce.backends import StageBackend, get_stages, resolve_backend_name
+from lce.autograd import FusedLogprobEntropy, FusedScalarLoss, Plan
+from lce.backends import get_stages, resolve_backend_name
 from lce.options import LCEOptions
-from lce.tp import VocabShard, resolve_shard
+from lce.tp import resolve_shard
 from lce.validation import check_inputs, check_reduction
 
 
@@ -54,8 +54,10 @@ def token_logprobs(
         chunk_size: tokens per chunk of the torch backend (default: ~64 MiB of fp32 logits).
     """
     options = LCEOptions(
-        ignore_index, temperature, tp_group, vocab_start, reduce_grad_hidden, backend, chunk_size
-    )
+        ignore_index=ignore_index, temperature=temperature, tp_group=tp_group,
+        vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
+        chunk_size=chunk_size,
+    )  # fmt: skip
     return _token_outputs(hidden, weight, targets, options)
 
 
@@ -81,40 +83,35 @@ def linear_cross_entropy(
     """
     check_reduction(reduction)
     options = LCEOptions(
-        ignore_index, temperature, tp_group, vocab_start, reduce_grad_hidden, backend, chunk_size
-    )
+        ignore_index=ignore_index, temperature=temperature, tp_group=tp_group,
+        vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
+        chunk_size=chunk_size,
+    )  # fmt: skip
     if reduction != "none" and _grads_wanted(hidden, weight):
-        check_inputs(hidden, weight, targets, options)
-        stages, shard = _stages_and_shard(hidden, weight, options)
-        if hasattr(stages, "loss_grads_in_forward"):
+        check_inputs(hidden, weight, targets)
+        plan = _plan(hidden, weight, options)
+        if hasattr(plan.stages, "loss_grads_in_forward"):
             return FusedScalarLoss.apply(
-                hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-                options.ignore_index, options.temperature, shard, options.reduce_grad_hidden,
-                stages, reduction,
-            )  # fmt: skip
+                hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), plan, reduction
+            )
     logprobs = _token_outputs(hidden, weight, targets, options).logprobs
     if reduction == "none":
         return -logprobs
     total = -logprobs.sum()
     if reduction == "sum":
         return total
-    return total / (targets != ignore_index).sum()
+    return total / (targets != options.ignore_index).sum()
 
 
 def _token_outputs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, options: LCEOptions
 ) -> TokenOutputs:
-    check_inputs(hidden, weight, targets, options)
-    stages, shard = _stages_and_shard(hidden, weight, options)
+    check_inputs(hidden, weight, targets)
     logprobs, entropy = FusedLogprobEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         targets.reshape(-1),
-        options.ignore_index,
-        options.temperature,
-        shard,
-        options.reduce_grad_hidden,
-        stages,
+        _plan(hidden, weight, options),
     )
     return TokenOutputs(logprobs.view(targets.shape), entropy.view(targets.shape))
 
@@ -123,10 +120,10 @@ def _grads_wanted(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
 
 
-def _stages_and_shard(
-    hidden: torch.Tensor, weight: torch.Tensor, options: LCEOptions
-) -> tuple[StageBackend, VocabShard]:
+def _plan(hidden: torch.Tensor, weight: torch.Tensor, options: LCEOptions) -> Plan:
     backend = resolve_backend_name(options.backend, hidden.device, weight.dtype)
-    stages = get_stages(backend, hidden.device, options.chunk_size)
-    shard = resolve_shard(options.tp_group, options.vocab_start, weight.shape[0], weight.device)
-    return stages, shard
+    return Plan(
+        options=options,
+        shard=resolve_shard(options.tp_group, options.vocab_start, weight.shape[0], weight.device),
+        stages=get_stages(backend, hidden.device, options.chunk_size),
+    )

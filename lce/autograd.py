@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -14,11 +14,21 @@ from lce.backends.base import (
     accumulation_dtype,
     select_rows,
 )
+from lce.options import LCEOptions
 from lce.tp import GlobalStats, VocabShard, merge_stats, reduce_grad_hidden
 from lce.validation import raise_on_bad_targets
 
 # Kernel-side id of an ignored token: owned by no shard, so it adds nothing anywhere.
 IGNORED = -1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One call, resolved: the caller's options, this rank's vocab shard, the backend's stages."""
+
+    options: LCEOptions
+    shard: VocabShard
+    stages: StageBackend
 
 
 def _kernel_targets(targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +41,7 @@ class FusedLogprobEntropy(torch.autograd.Function):
     """``(logprobs, entropy)`` fp32 ``[T]`` of ``log_softmax(hidden @ weight.T / temperature)``.
 
     Ignored rows give exactly 0 in both outputs and gradients. grad_hidden is returned in hidden's
-    dtype (summed over the TP group unless ``reduce_hidden`` is False); grad_weight in weight's.
+    dtype (summed over the TP group unless ``reduce_grad_hidden`` is False); grad_weight in weight's.
     """
 
     @staticmethod
@@ -40,16 +50,13 @@ class FusedLogprobEntropy(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         targets: torch.Tensor,
-        ignore_index: int,
-        temperature: float,
-        shard: VocabShard,
-        reduce_hidden: bool,
-        stages: StageBackend,
+        plan: Plan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        ignore_index, shard = plan.options.ignore_index, plan.shard
         ignored, kernel_targets = _kernel_targets(targets, ignore_index)
         compute_hidden = hidden.to(weight.dtype)
-        stats = stages.forward_stats(
-            compute_hidden, weight, kernel_targets, shard.vocab_start, temperature
+        stats = plan.stages.forward_stats(
+            compute_hidden, weight, kernel_targets, shard.vocab_start, plan.options.temperature
         )
         merged = merge_stats(stats, shard.owns(kernel_targets), shard.group)
         zero = torch.zeros_like(merged.max)
@@ -58,7 +65,7 @@ class FusedLogprobEntropy(torch.autograd.Function):
         saved_stats = (getattr(merged, f.name) for f in fields(GlobalStats))
         ctx.save_for_backward(compute_hidden, weight, kernel_targets, *saved_stats)
         ctx.hidden_dtype = hidden.dtype
-        ctx.settings = (temperature, shard, reduce_hidden, stages)
+        ctx.plan = plan
         raise_on_bad_targets(targets, merged.owners, ignore_index)  # last: it syncs with the GPU
         return logprobs, entropy
 
@@ -68,7 +75,8 @@ class FusedLogprobEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         compute_hidden, weight, kernel_targets, *saved_stats = ctx.saved_tensors
         merged = GlobalStats(*saved_stats)
-        temperature, shard, reduce_hidden, stages = ctx.settings
+        plan: Plan = ctx.plan
+        shard = plan.shard
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         active = kernel_targets != IGNORED
         zero = torch.zeros_like(merged.max)
@@ -82,17 +90,17 @@ class FusedLogprobEntropy(torch.autograd.Function):
             grad_entropy,
             torch.where(active, merged.target_grad(grad_logprob, grad_entropy), zero),
         )
-        grad_hidden, grad_weight = stages.backward_grads(
-            compute_hidden, weight, kernel_targets, shard.vocab_start, temperature, rows,
-            need_hidden, need_weight,
+        grad_hidden, grad_weight = plan.stages.backward_grads(
+            compute_hidden, weight, kernel_targets, shard.vocab_start, plan.options.temperature,
+            rows, need_hidden, need_weight,
         )  # fmt: skip
         if grad_hidden is not None:
-            if reduce_hidden:
+            if plan.options.reduce_grad_hidden:
                 reduce_grad_hidden(grad_hidden, shard.group)
             grad_hidden = grad_hidden.to(ctx.hidden_dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None
 
 
 class FusedScalarLoss(torch.autograd.Function):
@@ -109,13 +117,10 @@ class FusedScalarLoss(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         targets: torch.Tensor,
-        ignore_index: int,
-        temperature: float,
-        shard: VocabShard,
-        reduce_hidden: bool,
-        stages: StageBackend,
+        plan: Plan,
         reduction: str,
     ) -> torch.Tensor:
+        ignore_index, shard = plan.options.ignore_index, plan.shard
         ignored, kernel_targets = _kernel_targets(targets, ignore_index)
         owned = shard.owns(kernel_targets)
         valid_count = (~ignored).sum()
@@ -131,12 +136,13 @@ class FusedScalarLoss(torch.autograd.Function):
             owners[rows] = merged.owners
             return merged
 
-        _, grad_hidden, grad_weight = stages.loss_grads_in_forward(
-            hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start, temperature,
-            merge, grad_logprob, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+        _, grad_hidden, grad_weight = plan.stages.loss_grads_in_forward(
+            hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start,
+            plan.options.temperature, merge, grad_logprob, ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
         )  # fmt: skip
         raise_on_bad_targets(targets, owners, ignore_index)
-        if grad_hidden is not None and reduce_hidden:
+        if grad_hidden is not None and plan.options.reduce_grad_hidden:
             reduce_grad_hidden(grad_hidden, shard.group)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -151,4 +157,4 @@ class FusedScalarLoss(torch.autograd.Function):
             None if grad is None else (grad * grad_loss).to(dtype)
             for grad, dtype in ((grad_hidden, hidden_dtype), (grad_weight, weight_dtype))
         ]
-        return (*scaled, None, None, None, None, None, None, None)
+        return (*scaled, None, None, None)

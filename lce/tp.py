@@ -43,8 +43,6 @@ def resolve_shard(
         if tp_group is not None:
             _require_equal_shards(tp_group, vocab_local, device)
         vocab_start = 0 if tp_group is None else dist.get_rank(tp_group) * vocab_local
-    if vocab_start < 0:
-        raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
     return VocabShard(tp_group, int(vocab_start), vocab_local)
 
 

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from lce.options import REDUCTIONS, LCEOptions
+from lce.options import REDUCTIONS
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def check_inputs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, options: LCEOptions
-) -> None:
-    """Shapes, dtypes, devices and options; target *values* are checked after the shard merge."""
+def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    """Types, shapes, dtypes and devices (`LCEOptions` checks the options itself); target *values*
+    are checked after the shard merge."""
+    for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor, got {type(value).__name__}; "
+                f"convert it with torch.as_tensor({name})"
+            )
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [T, H] or [B, T, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
@@ -26,6 +29,11 @@ def check_inputs(
             f"hidden's last dim ({hidden.shape[-1]}) must equal weight's dim 1 "
             f"({weight.shape[1]}); "
             "pass weight as [vocab, hidden] (not transposed)"
+        )
+    if weight.shape[1] == 0:
+        raise ValueError(
+            f"the hidden size (hidden's last dim, weight's dim 1) must be >= 1, got shapes "
+            f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
         )
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(
@@ -44,8 +52,6 @@ def check_inputs(
             f"hidden, weight and targets must be on one device, got {hidden.device}, "
             f"{weight.device}, {targets.device}"
         )
-    if not (math.isfinite(options.temperature) and options.temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {options.temperature}")
 
 
 def check_reduction(reduction: str) -> None:

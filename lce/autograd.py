@@ -41,7 +41,8 @@ class FusedLogprobEntropy(torch.autograd.Function):
     """``(logprobs, entropy)`` fp32 ``[T]`` of ``log_softmax(hidden @ weight.T / temperature)``.
 
     Ignored rows give exactly 0 in both outputs and gradients. grad_hidden is returned in hidden's
-    dtype (summed over the TP group unless ``reduce_grad_hidden`` is False); grad_weight in weight's.
+    dtype (summed over the TP group unless ``reduce_grad_hidden`` is False); grad_weight in
+    weight's.
     """
 
     @staticmethod

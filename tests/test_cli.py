@@ -56,6 +56,32 @@ def test_bad_list_syntax_is_refused_by_the_parser(capsys):
     assert "expected integers like 1,2,4" in capsys.readouterr().err
 
 
+def test_an_unknown_mutant_is_a_usage_error_not_a_finding(tmp_path, capsys):
+    argv = ["run", "--mutant", "no_such", "--out", str(tmp_path / "out"), "--budget-s", "5"]
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--mutant: unknown 'no_such'; known: " in err and MUTANT in err
+    assert not (tmp_path / "out").exists()  # no report, no failure artifacts
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        (
+            "schema: 1\ndtypes:\n  fp32: {}\n",
+            "dtypes.fp32.logprobs is missing; add ('alpha', 'floor', 'atol', 'rtol')",
+        ),
+        ("schema: 2\n", "schema must be 1, got 2"),
+        ("dtypes: [\n", "not valid YAML at line 2"),
+    ],
+)
+def test_a_bad_tolerance_file_is_one_line_naming_the_key(text, key, tmp_path, capsys):
+    bad = tmp_path / "tolerances.yaml"
+    bad.write_text(text)
+    assert main(["corpus", "--tolerances", str(bad)]) == EXIT_USAGE
+    assert capsys.readouterr().err == f"lce-verify corpus: error: {bad}: {key}\n"
+
+
 def test_corpus_needs_a_directory_with_artifacts(tmp_path, capsys):
     assert main(["corpus", "--dir", str(tmp_path)]) == EXIT_USAGE
     assert "holds no *.json artifacts" in capsys.readouterr().err

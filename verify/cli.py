@@ -15,6 +15,7 @@ CORPUS_DIR = (
     Path(__file__).resolve().parent / "corpus"
 )  # the regression corpus (verify.results.corpus)
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+ENV_VAR = "LCE_TOLERANCES"  # = verify.numerics.tolerances.ENV_VAR (not imported: torch loads late)
 
 
 class UsageError(ValueError):
@@ -30,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     _interpret_triton_on_cpu()
     try:
-        with _one_bug_per_search():
+        with _tolerance_file(args.tolerances), _one_bug_per_search():
             return args.handler(args)
     except UsageError as exc:
         print(f"lce-verify {args.command}: error: {exc}", file=sys.stderr)
@@ -44,12 +45,25 @@ def build_parser() -> argparse.ArgumentParser:
         "the regression corpus and the mutation self-test.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser = functools.partial(sub.add_parser, parents=[_common_options()])  # type: ignore[method-assign]
     _add_run(sub)
     _add_replay(sub)
     _add_rehash(sub)
     _add_corpus(sub)
     _add_mutants(sub)
     return parser
+
+
+def _common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--tolerances",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"judge by this tolerance file (default: ${ENV_VAR}, else the shipped one)",
+    )
+    return common
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -420,6 +434,29 @@ def _ints(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in _names(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers like 1,2,4, got {text!r}") from None
+
+
+@contextlib.contextmanager
+def _tolerance_file(path: Path | None) -> Iterator[None]:
+    """Validate the tolerance file every verdict will use (``path``, else the default) before
+    anything runs; ``path`` is exported as ``$LCE_TOLERANCES`` so worker processes use it too
+    (the previous value is restored afterwards: main() also runs inside pytest)."""
+    from verify.numerics.tolerances import ToleranceFileError, load
+
+    previous = os.environ.get(ENV_VAR)
+    if path is not None:
+        os.environ[ENV_VAR] = str(path.resolve())
+    try:
+        try:
+            load()
+        except ToleranceFileError as exc:
+            raise UsageError(str(exc)) from None
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = previous
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -10,7 +11,11 @@ from pathlib import Path
 import torch
 import yaml
 
-DEFAULT_PATH = Path(__file__).resolve().parents[2] / "tolerances.yaml"
+# The one source is the repository's top-level tolerances.yaml; a wheel carries it as
+# verify/tolerances.yaml (setup.py's build step copies it there: no second copy in the tree).
+CHECKOUT_PATH = Path(__file__).resolve().parents[2] / "tolerances.yaml"
+PACKAGED_PATH = Path(__file__).resolve().parents[1] / "tolerances.yaml"
+ENV_VAR = "LCE_TOLERANCES"  # a user's own file (`lce-verify --tolerances FILE` sets it)
 DTYPES = ("fp32", "bf16", "fp16", "fp32_bf16", "fp64")
 OUTPUTS = ("logprobs", "entropy", "loss", "grad_hidden", "grad_weight")
 FIELDS = ("alpha", "floor", "atol", "rtol")
@@ -107,9 +112,29 @@ def parse(data: object, path: str) -> Tolerances:
     return Tolerances(entries, exact_values, path)
 
 
+def default_path() -> Path:
+    """``$LCE_TOLERANCES`` when set, else the file shipped in the wheel, else the checkout's."""
+    chosen = os.environ.get(ENV_VAR)
+    if chosen:
+        return Path(chosen)
+    return PACKAGED_PATH if PACKAGED_PATH.is_file() else CHECKOUT_PATH
+
+
+def load(path: Path | str | None = None) -> Tolerances:
+    """The validated tolerance file (``path``, default `default_path`; cached per path)."""
+    return _load(Path(path) if path is not None else default_path())
+
+
 @cache
-def load(path: Path | str = DEFAULT_PATH) -> Tolerances:
-    """The validated tolerance file (cached per path)."""
-    path = Path(path)
-    with path.open() as handle:
-        return parse(yaml.safe_load(handle), str(path))
+def _load(path: Path) -> Tolerances:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ToleranceFileError(f"{path}: cannot read it ({exc.strerror})") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise ToleranceFileError(f"{path}: not valid YAML{line}") from exc
+    return parse(data, str(path))

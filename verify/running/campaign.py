@@ -27,6 +27,7 @@ from verify.properties.case_runner import Runner
 from verify.properties.catalog import PROPERTIES
 from verify.results import artifacts, report
 from verify.running.engine import run_property
+from verify.running.mutants import MUTANTS
 from verify.running.profiles import profile_settings
 from verify.running.progress import Progress
 
@@ -94,6 +95,8 @@ class CampaignConfig:
         for name in self.properties:
             if name not in PROPERTIES:
                 raise ValueError(f"--properties: unknown {name!r}; known: {', '.join(PROPERTIES)}")
+        if self.mutant is not None and self.mutant not in MUTANTS:
+            raise ValueError(f"--mutant: unknown {self.mutant!r}; known: {', '.join(MUTANTS)}")
 
 
 # After a failure a slice searches again (next seed) while its share of the budget lasts, so one

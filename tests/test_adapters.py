@@ -21,9 +21,9 @@ from verify.adapters import (
 )
 from verify.adapters.check import trigger
 from verify.adapters.filtering import coerce, not_tested, properties_for
-from verify.adapters.pool_routing import adapter_runner
 from verify.cases.spec import CaseSpec
 from verify.distributed import WorkerPool
+from verify.execution.runner import Runner
 from verify.results.artifacts import load
 from verify.running.engine import check_case
 
@@ -67,7 +67,7 @@ def test_broken_third_party_impl_is_caught_and_replays(tmp_path: Path) -> None:
 
 def test_broken_impl_loss_is_off_by_the_ignored_fraction() -> None:
     spec = CaseSpec(tokens=8, vocab=17, ignore="random", seed=3, upstream="logprob_only")
-    runner = adapter_runner(resolve(BROKEN))
+    runner = Runner(adapter=resolve(BROKEN))
     verdicts = check_case(spec, properties=["differential"], runner=runner)
     failed = {v.output for v in verdicts if v.failed}
     assert {"loss", "loss_grad_hidden", "loss_grad_weight"} <= failed, failed
@@ -78,7 +78,7 @@ def test_lce_adapter_at_tp2_through_the_worker_pool() -> None:
     spec = CaseSpec(tokens=6, vocab=13, tp=2, ignore="random", target="high", seed=5)
     names = ["differential", "contract", "tp_invariance"]
     with WorkerPool(world_size=2, timeout_s=120) as pool:
-        runner = adapter_runner(resolve("lce"), pool)
+        runner = Runner(pool, adapter=resolve("lce"))
         assert runner.tp_sizes == (1, 2)
         verdicts = check_case(spec, properties=names, runner=runner)
         # Partial grad_hidden per rank (sequence parallel), summed by the harness.
@@ -167,7 +167,7 @@ def test_selection_by_name_and_module_function() -> None:
     plain = resolve(BROKEN)
     assert plain.outputs == ("logprobs", "loss") and plain.capabilities.ignore_index
     assert plain.ref == BROKEN
-    factory = resolve("verify.adapters.builtin:torch_adapter")
+    factory = resolve("verify.execution.builtin:torch_adapter")
     assert factory.name == "torch"
     mean_only = from_loss_fn(lambda hidden, weight, targets: (hidden @ weight.T).sum())
     assert mean_only.outputs == ("loss",) and mean_only.capabilities.reductions == ("mean",)

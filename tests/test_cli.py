@@ -187,11 +187,11 @@ def test_a_random_profile_records_the_seed_it_drew(tmp_path, monkeypatch, capsys
 
 
 def test_a_dead_rank_is_an_infrastructure_error_and_the_next_slice_runs(tmp_path, monkeypatch):
-    from verify.properties import case_runner as runner
+    from verify.execution import execute
     from verify.running.campaign import CampaignConfig, run_campaign
     from verify.running.progress import Progress
 
-    monkeypatch.setattr(runner, "JOB", "tests.campaign_jobs:die")
+    monkeypatch.setattr(execute, "CASE_JOB", "tests.campaign_jobs:die")
     config = CampaignConfig(
         backends=("torch", "triton"),
         tp_sizes=(2,),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 
-from verify.properties.case_runner import Runner
+from verify.execution.runner import Runner
 from verify.running.engine import run_property
 from verify.running.mutants import applied
 from verify.running.selftest import SELFTEST_PROPERTIES, selftest_specs

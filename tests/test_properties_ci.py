@@ -9,7 +9,7 @@ import pytest
 
 from verify.cases.strategies import case_specs, invalid_specs
 from verify.distributed import WorkerPool
-from verify.properties.case_runner import Runner
+from verify.execution.runner import Runner
 from verify.properties.status import available_backends
 from verify.running.engine import run_property
 from verify.running.selftest import SELFTEST_PAIRS, selftest_specs

@@ -63,7 +63,7 @@ def pool():
 def test_peaked_rows_at_tp2_within_fp32_envelope(pool) -> None:
     # Found by the TP search, fixed in lce (same cause as above): at TP=2 loss_grad_weight missed
     # the envelope by 1.1x (1.43e-6 vs 1.31e-6) and the ratio tier by 3.6x.
-    from verify.properties.case_runner import Runner
+    from verify.execution.runner import Runner
 
     spec = CaseSpec(tokens=1, batch=2, vocab=17, regime="peaked", tp=2)
     verdicts = check_case(spec, properties=["differential"], runner=Runner(pool))
@@ -76,7 +76,7 @@ def test_confident_rows_as_precise_as_stock_path(pool, backend) -> None:
     # Found by the CPU campaign, fixed in lce: fp32, scale 10, temperature 0.25, V = 2 split over
     # TP = 2; 1 - p_y of ~6e-7 rounded at 1 put grad_weight 891x past the ratio tier on Triton
     # (the torch backend worse), with g_lp = g_ent, where the stock path's errors cancel.
-    from verify.properties.case_runner import Runner
+    from verify.execution.runner import Runner
 
     spec = CaseSpec(
         backend=backend, tokens=6, hidden_size=64, vocab=2, scale=10.0, temperature=0.25,

@@ -6,7 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from verify.cases.build import build, vocab_range
+from verify.cases.build import build
+from verify.cases.rank_inputs import vocab_range
 from verify.cases.spec import CaseSpec, SpecError
 from verify.cases.strategies import case_specs, invalid_specs
 from verify.properties.verdict import flag

@@ -334,12 +334,14 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
     if wider:
         print(f"not planted: {', '.join(wider)} (need a TP degree above --tp {max(args.tp)})")
     names = [n for n in names if n not in elsewhere and n not in wider]
-    with _pool_for(max(args.tp), args.device) as pool:
+    from verify.distributed.seam import open_pool
+
+    with open_pool(max(args.tp), args.device) as pool:
         rows = []
         for name in names:  # one at a time, so a run stopped early still shows what it found
             rows += mutation_table(
                 [name], pool=pool, profile=args.profile, backends=(args.backend,),
-                pool_for_tp1=args.device == "cuda", shrink=not args.no_shrink,
+                shrink=not args.no_shrink,
             )  # fmt: skip
             print(format_table(rows[-1:]).splitlines()[1], flush=True)
         print(format_table(rows))
@@ -357,24 +359,24 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
 def _replay_all(loaded, args, plans: Callable, times: int, annotate: bool) -> int:
     """Replay each artifact under each ``(mutant, must_pass)`` plan; print one block per replay
     (``annotate``: mark outcomes other than the expected one). 0 when all went as expected."""
+    from verify.distributed.seam import needs_pool, open_pool
     from verify.results.replay import replay, summary_lines
 
     for artifact in loaded:
         _check_override(artifact, args)
     tps = [args.tp or a.spec.tp for a in loaded]
-    gpu = args.device == "cuda"
     ok, runs, unexpected = True, 0, 0
-    with _pool_for(max(tps), args.device) as pool:
+    with open_pool(max(tps), args.device) as pool:
         for artifact, tp in zip(loaded, tps, strict=True):
             for mutant, must_pass in plans(artifact):
                 result = replay(
                     artifact,
                     backend=args.backend,
                     tp=args.tp,
-                    pool=pool if tp > 1 or gpu else None,
+                    # Only a case that runs on workers sees the pool (the megatron peer needs it).
+                    pool=pool if needs_pool(tp, args.device) else None,
                     mutant=mutant,
                     times=times,
-                    pool_for_tp1=gpu,
                 )
                 good = result.passed == must_pass and result.identical
                 ok &= good
@@ -404,15 +406,6 @@ def _with_impl(call: Callable) -> int:
         return call(command)
     except AdapterError as exc:
         raise UsageError(f"--impl: {exc}") from exc
-
-
-def _pool_for(tp: int, device: str):
-    """Workers for TP degrees up to ``tp`` (on CUDA always: every rank owns a GPU)."""
-    from verify.distributed import WorkerPool
-
-    if tp > 1 or device == "cuda":
-        return WorkerPool(world_size=tp, device=device)
-    return contextlib.nullcontext(None)
 
 
 def _load_all(files: Sequence[Path], artifacts) -> list:

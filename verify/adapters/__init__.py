@@ -6,14 +6,14 @@ profile; `replay_impl` re-runs a saved failure through it.
 
 from verify.adapters.check import ImplReport, check_impl
 from verify.adapters.impl_replay import replay_impl
-from verify.adapters.interface import (
+from verify.execution.interface import (
     Adapter,
     AdapterError,
     Call,
     Capabilities,
     NumericalContract,
 )
-from verify.adapters.selection import from_loss_fn, names, resolve
+from verify.execution.selection import from_loss_fn, names, resolve
 
 __all__ = [
     "Adapter",

@@ -28,11 +28,12 @@ from verify.adapters.filtering import (
     properties_for,
     specs_for,
 )
-from verify.adapters.interface import Adapter
-from verify.adapters.pool_routing import adapter_runner
-from verify.adapters.selection import resolve
 from verify.cases.spec import CaseSpec
 from verify.cases.strategies import landmark_specs
+from verify.distributed.seam import Pool
+from verify.execution.interface import Adapter
+from verify.execution.runner import Runner
+from verify.execution.selection import resolve
 from verify.properties.verdict import PropertyVerdict
 from verify.results import artifacts
 from verify.running.engine import PropertyFailure, SearchResult, property_failures, run_property
@@ -121,7 +122,7 @@ def check_impl(
     properties: Iterable[str] | None = None,
     max_examples: int | None = None,
     minutes: float | None = None,
-    pool: Any | None = None,
+    pool: Pool | None = None,
     failures_dir: Path | str | None = None,
     seed: int = 0,
     spec_filter: Callable[[CaseSpec], bool] | None = None,
@@ -136,7 +137,7 @@ def check_impl(
     landmark specs (one per input class of DESIGN.md), mapped to what the adapter supports.
     """
     adapter = resolve(impl)
-    runner = adapter_runner(adapter, pool)
+    runner = Runner(pool, adapter=adapter)
     tp_sizes = runner.tp_sizes
     names = list(properties) if properties is not None else list(properties_for(adapter, tp_sizes))
     deadline = None if minutes is None else time.monotonic() + 60.0 * minutes

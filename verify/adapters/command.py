@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from pathlib import Path
 
 from verify.adapters.check import check_impl
 from verify.adapters.impl_replay import replay_impl
 from verify.adapters.impl_report import to_json, to_markdown
-from verify.adapters.selection import resolve
+from verify.distributed.seam import open_pool
+from verify.execution.selection import resolve
 
 EXIT_PASS, EXIT_FAIL = 0, 1
 
@@ -21,7 +21,7 @@ def run_impl(args: argparse.Namespace) -> int:
     adapter = resolve(args.impl)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    with _pool(max(args.tp), args.device) as pool:
+    with open_pool(max(args.tp), args.device) as pool:
         report = check_impl(
             adapter,
             profile=args.profile,
@@ -48,18 +48,10 @@ def replay_with_impl(files: list[Path], impl: str | None, times: int, device: st
 
     loaded = [artifacts.load(path) for path in files]
     ok = True
-    with _pool(max(a.spec.tp for a in loaded), device) as pool:
+    with open_pool(max(a.spec.tp for a in loaded), device) as pool:
         for artifact in loaded:
             result = replay_impl(artifact, impl=impl, pool=pool, times=times)
             ok &= result.passed and result.identical
             for line in summary_lines(result, None):
                 print(line)
     return EXIT_PASS if ok else EXIT_FAIL
-
-
-def _pool(tp: int, device: str):
-    from verify.distributed import WorkerPool
-
-    if tp > 1:
-        return WorkerPool(world_size=tp, device=device)
-    return contextlib.nullcontext(None)

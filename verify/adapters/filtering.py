@@ -12,9 +12,9 @@ from functools import partial
 
 from hypothesis import strategies as st
 
-from verify.adapters.interface import Adapter
 from verify.cases.spec import DTYPE_PAIRS, REDUCTIONS, CaseSpec
 from verify.cases.strategies import case_specs, invalid_specs
+from verify.execution.interface import Adapter
 from verify.properties.catalog import PROPERTIES
 from verify.properties.status import available_backends
 

@@ -1,18 +1,16 @@
 """Replay a failure artifact through the implementation it names (its ``impl`` field).
 
-`verify.results.replay.replay` with every run (TP = 1 included) routed to the adapter through
-`ImplPool`;
-artifacts without ``impl`` replay on lce.
+`verify.results.replay.replay` with every run routed to the adapter; artifacts without ``impl``
+replay on lce.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from verify.adapters.interface import Adapter
-from verify.adapters.pool_routing import ImplPool
-from verify.adapters.selection import resolve
+from verify.distributed.seam import Pool
+from verify.execution.interface import Adapter
+from verify.execution.selection import resolve
 from verify.results import artifacts
 from verify.results.replay import ReplayResult, replay
 
@@ -21,11 +19,11 @@ def replay_impl(
     artifact: artifacts.Artifact | Path | str,
     *,
     impl: str | Adapter | None = None,
-    pool: Any | None = None,
+    pool: Pool | None = None,
     times: int = 2,
 ) -> ReplayResult:
     """Re-run ``artifact``'s properties on its spec ``times`` times through ``impl`` (default:
     the artifact's ``impl``, else ``lce``); TP > 1 specs need ``pool``."""
     art = artifact if isinstance(artifact, artifacts.Artifact) else artifacts.load(artifact)
     adapter = resolve(impl or art.record.get("impl") or "lce")
-    return replay(art, pool=ImplPool(adapter, pool), times=times, pool_for_tp1=True)
+    return replay(art, pool=pool, times=times, adapter=adapter)

@@ -120,21 +120,6 @@ def tied_hidden(
     return hidden_base + TIE_SCALE * weight[embed_ids].to(hidden_base.dtype)
 
 
-def effective_temperature(spec: CaseSpec) -> float:
-    """The temperature passed to lce: 1 when the transform folded it into hidden."""
-    return 1.0 if spec.transform == "fold_temperature" else spec.temperature
-
-
-def vocab_range(spec: CaseSpec, tp_rank: int) -> tuple[int, int]:
-    """``[start, stop)`` of rank ``tp_rank``'s weight rows at ``spec.tp``."""
-    return shard_bounds(spec.vocab, spec.tp)[tp_rank]
-
-
-def explicit_vocab_start(spec: CaseSpec, tp_rank: int) -> int | None:
-    """None (lce's default ``rank * V_local``) for equal shards, else the rank's first id."""
-    return None if spec.vocab % spec.tp == 0 else vocab_range(spec, tp_rank)[0]
-
-
 def edge_ids(vocab: int) -> list[int]:
     """0, V-1 and the first/last ids of every TP=2/4 shard, with their neighbours."""
     ids = {0, vocab - 1}

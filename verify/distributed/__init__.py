@@ -6,6 +6,17 @@ payload; every rank of a TP subgroup builds its own tensors from the payload and
 
 from verify.distributed.errors import PoolError, WorkerDied, WorkerError, WorkerHung
 from verify.distributed.pool import WorkerPool
+from verify.distributed.seam import Pool, needs_pool, open_pool
 from verify.distributed.worker import JobContext
 
-__all__ = ["JobContext", "PoolError", "WorkerDied", "WorkerError", "WorkerHung", "WorkerPool"]
+__all__ = [
+    "JobContext",
+    "Pool",
+    "PoolError",
+    "WorkerDied",
+    "WorkerError",
+    "WorkerHung",
+    "WorkerPool",
+    "needs_pool",
+    "open_pool",
+]

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from verify.cases.spec import CaseSpec
+from verify.execution.runner import Runner
 from verify.properties import differential, metamorphic, peers, status
-from verify.properties.case_runner import Runner
 from verify.properties.verdict import PropertyVerdict
 
 Check = Callable[[CaseSpec, Runner], list[PropertyVerdict]]

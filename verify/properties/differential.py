@@ -8,9 +8,10 @@ import torch
 
 from verify.cases.build import IGNORE_INDEX
 from verify.cases.spec import DTYPES, CaseSpec
+from verify.execution.outcome import TOLERANCE_OUTPUT, KernelRun
+from verify.execution.runner import Runner
 from verify.numerics.tolerances import load
-from verify.properties.case import TOLERANCE_OUTPUT, KernelRun, expected
-from verify.properties.case_runner import Runner
+from verify.properties.case import expected
 from verify.properties.verdict import PropertyVerdict, exact_check, flag, tolerance_check
 
 PER_TOKEN = ("logprobs", "entropy", "loss", "grad_hidden", "loss_grad_hidden")

@@ -13,9 +13,10 @@ import torch
 
 from verify.cases.build import TIE_SCALE, build, draw
 from verify.cases.spec import DTYPES, LINEARITY_A, CaseSpec
+from verify.execution.outcome import TOLERANCE_OUTPUT, KernelRun
+from verify.execution.runner import Runner
 from verify.numerics.tolerances import load
-from verify.properties.case import TOLERANCE_OUTPUT, KernelRun, expected
-from verify.properties.case_runner import Runner
+from verify.properties.case import expected
 from verify.properties.verdict import (
     PropertyVerdict,
     bound_check,

@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verify.cases.build import IGNORE_INDEX, build, effective_temperature, vocab_range
+from verify.cases.build import IGNORE_INDEX, build
+from verify.cases.rank_inputs import effective_temperature, vocab_range
 from verify.cases.spec import CaseSpec
+from verify.execution.outcome import TOLERANCE_OUTPUT
+from verify.execution.runner import Runner
 from verify.numerics.reference import loss_upstream_grad
 from verify.numerics.tolerances import load
-from verify.properties.case import TOLERANCE_OUTPUT, expected
-from verify.properties.case_runner import Runner
+from verify.properties.case import expected
 from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
 
 MEGATRON_JOB = "verify.properties.peers:megatron_job"

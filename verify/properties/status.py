@@ -7,7 +7,7 @@ import torch
 
 from lce.backends import resolve_backend_name
 from verify.cases.spec import BACKENDS, CaseSpec
-from verify.properties.case_runner import Runner
+from verify.execution.runner import Runner
 from verify.properties.verdict import PropertyVerdict, flag
 
 # The word each fault's error message must contain: the argument a user has to fix.

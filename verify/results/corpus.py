@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from verify.cases.spec import CaseSpec
-from verify.properties.case_runner import Runner
+from verify.distributed.seam import Pool
+from verify.execution.runner import Runner
 from verify.results import artifacts
 from verify.running.engine import check_case
 from verify.running.mutants import MUTANTS
@@ -28,7 +29,7 @@ def plans(
     return [(None, True)] + ([(planted, False)] if planted else [])
 
 
-def save_kill(row: Any, pool: Any | None, directory: Path, device: str = "cpu") -> Path | None:
+def save_kill(row: Any, pool: Pool | None, directory: Path, device: str = "cpu") -> Path | None:
     """Save a `verify.running.selftest.KillRow`'s shrunk spec as a corpus entry for its killing
     property.
 
@@ -39,11 +40,11 @@ def save_kill(row: Any, pool: Any | None, directory: Path, device: str = "cpu") 
     if not (row.killed and row.shrunk_spec and row.property):
         return None
     spec = CaseSpec.from_json(row.shrunk_spec)
-    names, on_gpu = [row.property], device == "cuda"
-    clean = Runner(pool, pool_for_tp1=on_gpu)
+    names = [row.property]
+    clean = Runner(pool)
     if any(v.failed for v in check_case(spec, properties=names, runner=clean)):
         return None
-    planted = Runner(pool, row.mutant, pool_for_tp1=on_gpu)
+    planted = Runner(pool, row.mutant)
     verdicts = check_case(spec, properties=names, runner=planted)
     failing = [v for v in verdicts if v.failed]
     if not failing:  # the kill does not reproduce with this property alone

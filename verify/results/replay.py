@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from verify.cases.spec import CaseSpec
-from verify.properties.case import KernelRun
-from verify.properties.case_runner import Runner
+from verify.distributed.seam import Pool
+from verify.execution.interface import Adapter
+from verify.execution.outcome import KernelRun
+from verify.execution.runner import Runner
 from verify.results.artifacts import (
     Artifact,
     display_path,
@@ -92,8 +94,8 @@ class ReplayResult:
 class _RecordingRunner(Runner):
     """A `Runner` that fingerprints every run it returns, in call order (a fresh one per replay)."""
 
-    def __init__(self, pool: Any | None, mutant: str | None, pool_for_tp1: bool = False) -> None:
-        super().__init__(pool, mutant, pool_for_tp1=pool_for_tp1)
+    def __init__(self, pool: Pool | None, mutant: str | None, adapter: Adapter | None) -> None:
+        super().__init__(pool, mutant, adapter=adapter)
         self.digest = hashlib.sha256()
 
     def run(self, spec: CaseSpec, *, fresh: bool = False) -> KernelRun:
@@ -109,15 +111,15 @@ def replay(
     *,
     backend: str | None = None,
     tp: int | None = None,
-    pool: Any | None = None,
+    pool: Pool | None = None,
     mutant: str | object | None = KEEP,
     times: int = 2,
-    pool_for_tp1: bool = False,
+    adapter: Adapter | None = None,
 ) -> ReplayResult:
     """Re-run ``artifact``'s properties on its spec ``times`` times (TP > 1 needs ``pool``).
 
     ``backend``/``tp`` override the spec's; ``mutant`` defaults to the artifact's planted bug
-    (``None`` replays on the code as it is); ``pool_for_tp1`` runs TP = 1 on the pool too (GPU).
+    (``None`` replays on the code as it is); ``adapter``: the implementation (default lce).
     """
     if times < 1:
         raise ValueError(f"times must be >= 1, got {times}")
@@ -128,7 +130,7 @@ def replay(
     names = artifact.property_name.split(",")
     runs = []
     for _ in range(times):
-        runner = _RecordingRunner(pool, planted, pool_for_tp1)  # type: ignore[arg-type]
+        runner = _RecordingRunner(pool, planted, adapter)  # type: ignore[arg-type]
         verdicts = check_case(spec, properties=names, runner=runner)
         runs.append(RunDigest([verdict_record(v) for v in verdicts], runner.digest.hexdigest()))
     return ReplayResult(

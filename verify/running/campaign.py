@@ -21,9 +21,9 @@ from hypothesis import Phase
 
 from verify.cases.spec import BACKENDS, DTYPE_PAIRS, CaseSpec
 from verify.cases.strategies import case_specs, invalid_specs
-from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool
+from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool, needs_pool
 from verify.distributed.errors import PoolError
-from verify.properties.case_runner import Runner
+from verify.execution.runner import Runner
 from verify.properties.catalog import PROPERTIES
 from verify.results import artifacts, report
 from verify.running.engine import run_property
@@ -162,7 +162,7 @@ def run_campaign(
                 exhausted = True
                 tally.slices.append(_slice_row(backend, tp, "skipped (budget)", 0, [], 0.0))
                 continue
-            if (tp > 1 or config.on_gpu) and pool is None:
+            if needs_pool(tp, config.device) and pool is None:
                 pool = WorkerPool(world_size=max(config.tp_sizes), device=config.device)
             share = remaining / (len(slices) - index)  # time left over flows to later slices
             progress.start_slice(backend, tp)
@@ -205,10 +205,9 @@ class _Slice:
 
     def run(self, pool: WorkerPool | None, with_status: bool) -> None:
         """The status search (invalid inputs, cheap) first when asked, then the valid cases."""
-        on_pool = self.tp > 1 or self.config.on_gpu  # CPU TP=1 runs in this process
-        runner = _GuardedRunner(
-            pool if on_pool else None, self.config.mutant, pool_for_tp1=self.config.on_gpu
-        )
+        # A slice that runs in this process sees no pool (no megatron peer at CPU TP=1).
+        on_pool = needs_pool(self.tp, self.config.device)
+        runner = _GuardedRunner(pool if on_pool else None, self.config.mutant)
         valid = [n for n in self.names if n != "status"]
         searches = []
         if with_status and "status" in self.names:

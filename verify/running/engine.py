@@ -17,7 +17,7 @@ from hypothesis.errors import FlakyFailure
 
 from verify.cases.spec import CaseSpec
 from verify.cases.strategies import case_specs
-from verify.properties.case_runner import Runner
+from verify.execution.runner import Runner
 from verify.properties.catalog import PROPERTIES, get
 from verify.properties.verdict import PropertyVerdict
 from verify.running.profiles import profile_settings

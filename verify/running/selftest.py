@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from verify.cases.spec import DTYPE_PAIRS, CaseSpec
 from verify.cases.strategies import case_specs, landmark_specs
-from verify.properties.case_runner import Runner
+from verify.execution.runner import Runner
 from verify.running.engine import check_case, run_property
 from verify.running.mutants import MUTANTS
 
@@ -73,7 +73,6 @@ def mutation_table(
     strategy: st.SearchStrategy[CaseSpec] | None = None,
     shrink: bool = True,
     landmarks: bool = True,
-    pool_for_tp1: bool = False,
     backends: tuple[str, ...] = ("torch",),
 ) -> list[KillRow]:
     """One `KillRow` per mutant (default: all). TP mutants need ``pool`` (TP > 1 specs).
@@ -81,13 +80,13 @@ def mutation_table(
     With ``shrink``, the search runs first on its own, so its kill is shrunk to a minimal spec;
     a mutant it misses gets a second search that starts from `landmark_specs` (``landmarks``;
     a kill on a landmark itself is not shrunk, and ``on_landmark`` says so). Without ``shrink``,
-    the landmarks run first: the fastest robust kill (the test suite's mode). ``pool_for_tp1``
-    runs TP = 1 specs on the pool too (GPU: the workers hold the devices). ``backends``: where
+    the landmarks run first: the fastest robust kill (the test suite's mode). On a CUDA ``pool``
+    TP = 1 specs run there too (`verify.distributed.seam.needs_pool`). ``backends``: where
     the default search and the landmarks plant the bugs.
     """
     rows = []
     for name in mutants or MUTANTS:
-        runner = Runner(pool, mutant=name, pool_for_tp1=pool_for_tp1)
+        runner = Runner(pool, mutant=name)
         search = strategy if strategy is not None else selftest_specs(runner.tp_sizes, backends)
         marks = landmark_specs(runner.tp_sizes, backends) if landmarks else []
         began = time.perf_counter()
@@ -99,7 +98,7 @@ def mutation_table(
             )  # fmt: skip
             if not result.passed or not marks:
                 break
-        rows.append(_row(name, result, Runner(pool, pool_for_tp1=pool_for_tp1), properties, marks))
+        rows.append(_row(name, result, Runner(pool), properties, marks))
         rows[-1].seconds = time.perf_counter() - began
     return rows
 

@@ -7,7 +7,7 @@ import argparse
 import json
 import time
 
-from verify.properties.case_runner import Runner
+from verify.execution.runner import Runner
 from verify.running.engine import run_property
 from verify.running.selftest import selftest_specs
 

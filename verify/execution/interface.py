@@ -140,8 +140,10 @@ class Adapter:
     ``name``: short label for reports. ``token_outputs`` and ``loss``: how it is called (either
     may be None; at least one is given). ``outputs``: which of ``logprobs``, ``entropy``, ``loss``
     it computes (``entropy`` needs ``token_outputs``). ``device``: where its inputs live
-    (``"cpu"``, ``"cuda"``). ``ref``: how another process finds it (a registry name or
-    ``module:function``); `verify.adapters.resolve` fills it in.
+    (``"cpu"``, ``"cuda"``) when it runs in the driver (a pool worker uses its own device).
+    ``ref``: how another process finds it (a registry name or ``module:function``);
+    `verify.adapters.resolve` fills it in. ``refusals``: the exceptions that mean "refused the
+    input" (judged by the status property); any other exception propagates as a harness error.
     """
 
     name: str
@@ -155,6 +157,8 @@ class Adapter:
     ref: str = ""
     # Properties that say nothing about this implementation, with the reason (for the report).
     skip: tuple[tuple[str, str], ...] = ()
+    # Third-party code may raise anything on an input it does not take.
+    refusals: tuple[type[Exception], ...] = (Exception,)
 
     def __post_init__(self) -> None:
         _subset("outputs", self.outputs, OUTPUTS)

@@ -1,4 +1,5 @@
-"""Built-in adapters: lce (both backends), torch's linear_cross_entropy, Liger, cut-cross-entropy.
+"""Built-in adapters: lce (both backends; the engine runs lce through it), torch's
+linear_cross_entropy, Liger, cut-cross-entropy.
 
 Each factory returns an `Adapter` or raises `AdapterError` saying what is missing (a package, a
 torch version, a CUDA device). Third-party packages are imported only when their adapter is asked
@@ -15,8 +16,11 @@ import torch
 import torch.nn.functional as F
 
 import lce
-from verify.adapters.interface import Adapter, AdapterError, Call, Capabilities, NumericalContract
 from verify.cases.spec import BACKENDS
+from verify.execution.interface import Adapter, AdapterError, Call, Capabilities, NumericalContract
+
+# What lce raises on an input it refuses; any other exception is a bug (it propagates).
+LCE_REFUSALS = (ValueError, TypeError, IndexError, RuntimeError)
 
 
 def _lce_tokens(call: Call) -> dict[str, torch.Tensor]:
@@ -47,6 +51,7 @@ def lce_adapter(backends: tuple[str, ...] = BACKENDS) -> Adapter:
     return Adapter(
         "lce", ("logprobs", "entropy", "loss"), _lce_tokens, _lce_loss, caps,
         description=f"lce.token_logprobs / lce.linear_cross_entropy, backends {list(backends)}",
+        refusals=LCE_REFUSALS,
     )  # fmt: skip
 
 

@@ -15,9 +15,9 @@ from functools import cache
 
 import torch
 
-from verify.adapters.builtin import BUILTIN, flat_loss_adapter
-from verify.adapters.interface import Adapter, AdapterError, Capabilities, NumericalContract
 from verify.cases.spec import REDUCTIONS
+from verify.execution.builtin import BUILTIN, flat_loss_adapter
+from verify.execution.interface import Adapter, AdapterError, Capabilities, NumericalContract
 
 
 def resolve(name_or_path: str | Adapter) -> Adapter:

@@ -1,0 +1,136 @@
+"""One TP rank's inputs of a case: its vocab rows, the memory layouts, the faults, the tied hidden.
+
+`verify.cases.build` draws the global problem; `rank_inputs` cuts this rank's share out of it and
+shapes it the way the spec says the implementation receives it. Everything a rank feeds an
+implementation is decided here, so lce and every adapter see the same tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verify.cases.build import IGNORE_INDEX, Problem, tied_hidden
+from verify.cases.spec import CaseSpec, shard_bounds
+
+# The grads choices under which each leaf requires grad.
+_HIDDEN_GRADS = ("both", "hidden", "twice")
+_WEIGHT_GRADS = ("both", "weight", "twice")
+
+
+@dataclass(frozen=True)
+class RankInputs:
+    """The leaves of one rank (``hidden`` shaped like the targets plus ``H``; ``weight`` this
+    rank's rows), the targets, and the scalar arguments of the call.
+
+    ``embed_ids`` is set for a tied case: the implementation then receives ``hidden + TIE_SCALE *
+    weight[embed_ids]`` (`head_hidden`), so gradients reach the weight through both uses.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    temperature: float
+    vocab_start: int | None
+    embed_ids: torch.Tensor | None
+    ignore_index: int = IGNORE_INDEX
+
+    @property
+    def leaves(self) -> list[torch.Tensor]:
+        """``hidden`` and ``weight``, those that require grad, in that order."""
+        return [t for t in (self.hidden, self.weight) if t.requires_grad]
+
+    def head_hidden(self) -> torch.Tensor:
+        """What the implementation receives as hidden: the leaf, or base + embedding when tied
+        (a fresh graph on every call, as each forward of a tied model builds its own)."""
+        if self.embed_ids is None:
+            return self.hidden
+        flat = self.hidden.reshape(-1, self.hidden.shape[-1])
+        return tied_hidden(flat, self.weight, self.embed_ids).view(self.hidden.shape)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Copies of the inputs, to check afterwards that the implementation left them alone."""
+        return {k: getattr(self, k).detach().clone() for k in ("hidden", "weight", "targets")}
+
+    def unchanged_since(self, snapshot: dict[str, torch.Tensor]) -> bool:
+        """Every input still has the snapshot's values and dtype."""
+        return all(
+            torch.equal(before, getattr(self, k).detach())
+            and before.dtype == getattr(self, k).dtype
+            for k, before in snapshot.items()
+        )
+
+
+def rank_inputs(spec: CaseSpec, problem: Problem, tp_rank: int) -> RankInputs:
+    """Rank ``tp_rank``'s inputs of ``spec`` from its global ``problem`` (already on the device)."""
+    start, stop = vocab_range(spec, tp_rank)
+    shape = spec.target_shape()
+    tied = spec.tied and spec.transform != "untie"
+    leaf_hidden = problem.hidden_base if tied else problem.hidden
+    # An untied rerun feeds lce a contiguous hidden, as the tied run's base + embedding is.
+    layout = "contiguous" if spec.transform == "untie" else spec.layout
+    hidden = with_layout(leaf_hidden.view(*shape, spec.hidden_size), layout)
+    weight = with_layout(problem.weight[start:stop], spec.layout)
+    targets = problem.targets.clone()
+    temperature = effective_temperature(spec)
+    if spec.fault == "target_ge_vocab":
+        targets[-1] = spec.vocab
+    elif spec.fault == "target_negative":
+        targets[0] = -1  # negative, and not IGNORE_INDEX
+    elif spec.fault == "temperature_zero":
+        temperature = 0.0
+    elif spec.fault == "temperature_nan":
+        temperature = float("nan")
+    elif spec.fault == "hidden_size_mismatch":
+        weight = torch.cat([weight, torch.ones_like(weight[:, :1])], dim=1)
+    targets = targets.view(shape)
+    if spec.fault == "targets_float":
+        targets = targets.float()
+    hidden.requires_grad_(spec.grads in _HIDDEN_GRADS)
+    weight.requires_grad_(spec.grads in _WEIGHT_GRADS)
+    embed_ids = problem.embed_ids if tied else None
+    return RankInputs(
+        hidden, weight, targets, temperature, explicit_vocab_start(spec, tp_rank), embed_ids
+    )
+
+
+def effective_temperature(spec: CaseSpec) -> float:
+    """The temperature passed to the implementation: 1 when the transform folded it into hidden."""
+    return 1.0 if spec.transform == "fold_temperature" else spec.temperature
+
+
+def vocab_range(spec: CaseSpec, tp_rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of rank ``tp_rank``'s weight rows at ``spec.tp``."""
+    return shard_bounds(spec.vocab, spec.tp)[tp_rank]
+
+
+def explicit_vocab_start(spec: CaseSpec, tp_rank: int) -> int | None:
+    """None (lce's default ``rank * V_local``) for equal shards, else the rank's first id."""
+    return None if spec.vocab % spec.tp == 0 else vocab_range(spec, tp_rank)[0]
+
+
+def with_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as ``tensor`` stored ``contiguous``, ``transposed`` (last two dims) or
+    ``sliced`` (a window of a wider buffer); both non-contiguous layouts keep autograd leaves."""
+    if layout == "transposed" and tensor.dim() >= 2:
+        return tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout == "sliced":
+        wide = torch.zeros(
+            *tensor.shape[:-1], tensor.shape[-1] + 3, dtype=tensor.dtype, device=tensor.device
+        )
+        wide[..., 1:-2] = tensor
+        return wide[..., 1:-2]
+    return tensor.clone()
+
+
+def upstream_view(grad: torch.Tensor, spec: CaseSpec, shape: tuple[int, ...]) -> torch.Tensor:
+    """An upstream gradient shaped like the output, in the spec's memory pattern."""
+    grad = grad.view(shape)
+    if spec.upstream == "expanded" and grad.numel():
+        return grad.reshape(-1)[:1].view([1] * len(shape) or []).expand(shape)
+    if spec.upstream == "strided":
+        wide = torch.zeros(*shape, 2, dtype=grad.dtype, device=grad.device)
+        wide[..., 0] = grad
+        return wide[..., 0]
+    return grad

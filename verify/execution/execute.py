@@ -1,0 +1,156 @@
+"""The one execution path: run a case on one TP rank through an adapter (lce's own included).
+
+`execute(spec, rank, adapter)` builds the rank's inputs (`verify.cases.rank_inputs`), calls the
+implementation, collects gradients of ``sum(output * upstream)``, checks the inputs were left
+alone and records the dtypes. `case_job` is what a pool worker runs (``CASE_JOB``); the `Runner`
+calls `run_payload` directly in this process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from verify.cases.build import Problem, build
+from verify.cases.rank_inputs import RankInputs, rank_inputs, upstream_view
+from verify.cases.spec import CaseSpec
+from verify.execution.interface import Adapter, Call
+
+CASE_JOB = "verify.execution.execute:case_job"
+
+
+class Rank(Protocol):
+    """Where a case runs: `verify.distributed.JobContext` in a worker, `LocalRank` in-process."""
+
+    tp_rank: int
+    tp_size: int
+    tp_group: dist.ProcessGroup | None
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class LocalRank:
+    """The only rank of a TP=1 case run in this process."""
+
+    device: torch.device
+    tp_group: dist.ProcessGroup | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+def case_job(payload: dict[str, Any], rank: Rank) -> dict[str, Any]:
+    """A worker's entry: ``payload`` is `run_payload`'s, with ``"impl"``, the adapter's ref."""
+    from verify.execution.selection import resolve
+
+    return run_payload(payload, rank, resolve(payload["impl"]))
+
+
+def run_payload(payload: dict[str, Any], rank: Rank, adapter: Adapter) -> dict[str, Any]:
+    """`execute` on a job payload: ``{"spec": CaseSpec JSON, "mutant": name or None, ...}``."""
+    spec = CaseSpec.from_json(payload["spec"])
+    if spec.tp != rank.tp_size:
+        raise ValueError(f"spec.tp={spec.tp} but the job runs on a TP group of {rank.tp_size}")
+    mutant = payload.get("mutant")
+    if mutant is None:
+        return execute(spec, rank, adapter)
+    from verify.running.mutants import applied  # planted bugs patch lce: self-tests only
+
+    with applied(mutant):
+        return execute(spec, rank, adapter)
+
+
+def execute(spec: CaseSpec, rank: Rank, adapter: Adapter) -> dict[str, Any]:
+    """This rank's outputs of ``adapter`` on ``spec`` as CPU tensors keyed by name (per-token
+    outputs, loss, ``grad_*`` and ``loss_grad_*``), ``inputs_unchanged`` and ``dtypes``.
+
+    The problem is built on the CPU (the same numbers everywhere), then moved to ``rank.device``.
+    An exception in ``adapter.refusals`` becomes ``status="raised"`` (the status property).
+    """
+    problem = on_device(build(spec), torch.device(rank.device))
+    try:
+        return _run(spec, rank_inputs(spec, problem, rank.tp_rank), problem, rank, adapter)
+    except adapter.refusals as exc:
+        return {"status": "raised", "error_type": type(exc).__name__, "error": str(exc)[:500]}
+
+
+def on_device(problem: Problem, device: torch.device) -> Problem:
+    """``problem`` with every tensor on ``device`` (values unchanged)."""
+    if device.type == "cpu":
+        return problem
+    moved = {
+        f.name: value.to(device) if isinstance(value, torch.Tensor) else value
+        for f in fields(problem)
+        for value in [getattr(problem, f.name)]
+    }
+    return replace(problem, **moved)
+
+
+def _run(
+    spec: CaseSpec, inputs: RankInputs, problem: Problem, rank: Rank, adapter: Adapter
+) -> dict[str, Any]:
+    leaves = inputs.leaves
+    before = inputs.snapshot()
+    shape, twice = spec.target_shape(), spec.grads == "twice"
+
+    def call() -> Call:
+        return Call(
+            inputs.head_hidden(), inputs.weight, inputs.targets, inputs.ignore_index,
+            inputs.temperature, rank.tp_group if spec.tp > 1 else None, inputs.vocab_start,
+            spec.reduce_hidden, spec.backend, spec.chunk_size,
+        )  # fmt: skip
+
+    result: dict[str, Any] = {"status": "ok"}
+    with torch.enable_grad() if leaves else torch.no_grad():
+        if adapter.token_outputs is not None:
+            out = adapter.token_outputs(call())
+            result["logprobs"] = out["logprobs"]
+            pairs = [(out["logprobs"], upstream_view(problem.grad_logprob, spec, shape))]
+            if "entropy" in adapter.outputs:
+                result["entropy"] = out["entropy"]
+                if problem.grad_entropy is not None:
+                    grad = upstream_view(problem.grad_entropy, spec, shape)
+                    pairs.append((out["entropy"], grad))
+            result.update(_grads(pairs, inputs, "grad_", twice))
+        if adapter.loss is not None:
+            loss = adapter.loss(call(), spec.reduction)
+            result["loss"] = loss
+            grad = problem.grad_loss
+            if spec.reduction == "none":
+                grad = upstream_view(grad, spec, shape)
+            result.update(_grads([(loss, grad)], inputs, "loss_grad_", twice))
+    result["inputs_unchanged"] = inputs.unchanged_since(before)
+    if adapter.contract.outputs == "input":
+        # Exact upcast: the rounding to the input dtype is still measured; only the dtype differs.
+        for name in ("logprobs", "entropy", "loss"):
+            if name in result and result[name].dtype != torch.float64:
+                result[name] = result[name].float()
+    result["dtypes"] = {k: str(v.dtype) for k, v in result.items() if isinstance(v, torch.Tensor)}
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
+
+
+def _grads(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], inputs: RankInputs, prefix: str, twice: bool
+) -> dict[str, Any]:
+    """Gradients of ``sum(output * upstream)`` w.r.t. the leaves that require grad; ``twice``:
+    backward with ``retain_graph`` and again, returning the second and whether both agree."""
+    leaves = inputs.leaves
+    if not leaves:
+        return {}
+    outputs, upstreams = zip(*pairs, strict=True)
+    first = torch.autograd.grad(outputs, leaves, upstreams, allow_unused=True, retain_graph=twice)
+    grads = torch.autograd.grad(outputs, leaves, upstreams, allow_unused=True) if twice else first
+    named: dict[str, Any] = {}
+    for name in ("hidden", "weight"):
+        leaf = getattr(inputs, name)
+        if leaf.requires_grad:
+            grad = grads[[other is leaf for other in leaves].index(True)]
+            named[prefix + name] = grad if grad is not None else torch.zeros_like(leaf)
+    if twice:
+        named[prefix + "twice_equal"] = all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(first, grads, strict=True)
+        )
+    return named

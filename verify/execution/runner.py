@@ -1,0 +1,73 @@
+"""`Runner`: runs a spec's case through one adapter, in this process or on a pool's TP group."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from verify.cases.spec import CaseSpec
+from verify.distributed.seam import Pool, needs_pool
+from verify.execution import execute
+from verify.execution.interface import Adapter
+from verify.execution.outcome import KernelRun, assemble
+from verify.execution.selection import resolve
+
+
+class NeedsPool(ValueError):
+    """A TP > 1 spec was given to a runner without a worker pool."""
+
+
+class Runner:
+    """Runs case specs on ``adapter`` (default: lce), optionally with a planted bug (``mutant``,
+    see `verify.running.mutants`).
+
+    A case runs on ``pool`` when `verify.distributed.seam.needs_pool` says so for its TP degree
+    and the pool's device, else in this process; TP > 1 without a pool raises `NeedsPool`. The
+    last few runs are cached per spec, since several properties start from the same run;
+    ``fresh=True`` bypasses the cache (determinism).
+    """
+
+    def __init__(
+        self,
+        pool: Pool | None = None,
+        mutant: str | None = None,
+        *,
+        adapter: Adapter | None = None,
+        cache_size: int = 16,
+    ) -> None:
+        self.pool = pool
+        self.mutant = mutant
+        self.adapter = adapter or resolve("lce")
+        self.runs = 0  # kernel runs executed (not served from the cache)
+        self._cache: OrderedDict[CaseSpec, KernelRun] = OrderedDict()
+        self._cache_size = cache_size
+
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        """TP degrees this runner can execute."""
+        if self.pool is None or not self.adapter.capabilities.tensor_parallel:
+            return (1,)
+        return tuple(sorted({1, *self.pool.tp_sizes}))
+
+    def run(self, spec: CaseSpec, *, fresh: bool = False) -> KernelRun:
+        if not fresh and spec in self._cache:
+            self._cache.move_to_end(spec)
+            return self._cache[spec]
+        payload = {"spec": spec.to_json(), "mutant": self.mutant, "impl": self.adapter.ref}
+        if self.pool is not None and needs_pool(spec.tp, self.pool.device):
+            if not self.adapter.ref:
+                raise ValueError(f"adapter {self.adapter.name!r} has no ref for the workers")
+            # Read at call time: tests swap in a job whose ranks die.
+            results = self.pool.run(execute.CASE_JOB, payload, tp=spec.tp)
+        elif spec.tp > 1:
+            raise NeedsPool(f"spec.tp={spec.tp} needs Runner(pool=WorkerPool(...)); got no pool")
+        else:
+            local = execute.LocalRank(torch.device(self.adapter.device))
+            results = [execute.run_payload(payload, local, self.adapter)]
+        self.runs += 1
+        run = assemble(spec, results)
+        self._cache[spec] = run
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return run

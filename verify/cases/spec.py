@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from verify.numerics.tolerances import dtype_key
+
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -143,9 +145,7 @@ class CaseSpec:
     @property
     def dtype_key(self) -> str:
         """The tolerances.yaml key: ``fp32``, ``bf16``, ..., ``fp32_bf16``."""
-        if self.hidden_dtype == self.weight_dtype:
-            return self.hidden_dtype
-        return f"{self.hidden_dtype}_{self.weight_dtype}"
+        return dtype_key(self.hidden_dtype, self.weight_dtype)
 
     def target_shape(self) -> tuple[int, ...]:
         return (self.batch, self.tokens) if self.batch else (self.tokens,)

@@ -19,6 +19,7 @@ from verify.cases.spec import (
     UPSTREAMS,
     CaseSpec,
 )
+from verify.numerics.tolerances import dtype_key
 
 # Largest |logit| each dtype key is generated with. The envelope tier of tolerances.yaml is
 # relative to ||R|| (log-prob sized), while rounding a logit costs eps * |logit|: beyond these
@@ -100,8 +101,7 @@ def case_specs(
     if backend == "triton":  # Triton refuses fp64 weights (its kernels compute in fp32)
         pairs = tuple(p for p in pairs if p[1] != "fp64")
     hidden_dtype, weight_dtype = draw(dtype_pairs(pairs))
-    key = hidden_dtype if hidden_dtype == weight_dtype else f"{hidden_dtype}_{weight_dtype}"
-    regime, scale, offset = draw(logit_regimes(key))
+    regime, scale, offset = draw(logit_regimes(dtype_key(hidden_dtype, weight_dtype)))
     hidden_size = draw(hidden_sizes().filter(lambda h: h >= 2 or regime == "normal"))
     return CaseSpec(
         tokens=draw(token_counts(max_tokens)),

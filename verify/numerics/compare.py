@@ -1,38 +1,90 @@
 """The three-tier comparison of one output against the reference R and the baseline B.
 
-Tier 1 (ratio) and tier 2 (envelope) as in tolerances.yaml; a `Verdict` records what was measured,
-what was allowed and which tier decided, so a report shows how close to the line each output sits.
+Tier 1 (ratio) and tier 2 (envelope) as in tolerances.yaml; a `Verdict` keeps every tier's
+measured and allowed value and names the one closest to (or furthest over) its line, so a report
+shows how close each output sits and a caller reads a tier instead of measuring it again.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from verify.numerics.tolerances import Tolerance
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """One output's comparison. ``ratio`` = worst measured/allowed over the tiers (<= 1 passes)."""
+def ratio(measured: float, allowed: float) -> float:
+    """``measured / allowed``: 0 when nothing was measured, inf when nothing was allowed or the
+    measurement is NaN. <= 1 passes."""
+    if measured != measured:  # NaN
+        return math.inf
+    if measured == 0.0:
+        return 0.0
+    return math.inf if allowed == 0.0 else measured / allowed
 
-    output: str
-    passed: bool
-    tier: str  # the tier with the worst ratio: "ratio", "envelope" or "nonfinite"
+
+@dataclass(frozen=True)
+class Tier:
+    """One check: ``name`` is ``ratio`` (tier 1; a max and a mean check), ``envelope`` (tier 2),
+    ``nonfinite`` (NaN/inf pattern) or ``exact``."""
+
+    name: str
     measured: float
     allowed: float
-    ratio: float
+
+    @property
+    def ratio(self) -> float:
+        return ratio(self.measured, self.allowed)
+
+    @property
+    def passed(self) -> bool:
+        return self.ratio <= 1.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One output's comparison: every tier checked, and the worst of them (``ratio`` <= 1 passes
+    for all)."""
+
+    output: str
+    tiers: tuple[Tier, ...]
     detail: str
 
-    def to_json(self) -> dict:
-        return asdict(self)
+    @property
+    def worst(self) -> Tier:
+        return max(self.tiers, key=lambda t: t.ratio)
+
+    @property
+    def passed(self) -> bool:
+        return all(t.passed for t in self.tiers)
+
+    @property
+    def tier(self) -> str:
+        return self.worst.name
+
+    @property
+    def measured(self) -> float:
+        return self.worst.measured
+
+    @property
+    def allowed(self) -> float:
+        return self.worst.allowed
+
+    @property
+    def ratio(self) -> float:
+        return self.worst.ratio
+
+    def ratio_of(self, name: str) -> float:
+        """The worst ratio among the checks of tier ``name`` (0 when it was not checked)."""
+        return max((t.ratio for t in self.tiers if t.name == name), default=0.0)
 
 
-def _nonfinite_mismatch(kernel: torch.Tensor, ref: torch.Tensor) -> bool:
-    return bool((torch.isnan(kernel) != torch.isnan(ref)).any()) or bool(
-        (torch.isinf(kernel) != torch.isinf(ref)).any()
+def nonfinite_mismatch(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` differ in where they hold NaN or where they hold inf."""
+    return bool((torch.isnan(a) != torch.isnan(b)).any()) or bool(
+        (torch.isinf(a) != torch.isinf(b)).any()
     )
 
 
@@ -44,7 +96,8 @@ def compare(
     tol: Tolerance,
     runs: int = 1,
 ) -> Verdict:
-    """Check ``kernel`` against ``ref`` (float64) under ``tol``; ``base`` is B's value or None.
+    """Check ``kernel`` against ``ref`` (float64) under ``tol``; ``base`` is B's value or None
+    (then tier 1 is not checked).
 
     ``runs`` = 2 when ``ref`` is itself a rounded result (two kernel runs that must agree): each
     run may be off by its own bound, so the floor and the envelope count twice and ``base - ref``
@@ -53,34 +106,24 @@ def compare(
     r = ref.detach().to(torch.float64).reshape(-1)
     if k.shape != r.shape:
         raise ValueError(f"{output}: kernel shape {tuple(k.shape)} != reference {tuple(r.shape)}")
-    if _nonfinite_mismatch(k, r):
-        return Verdict(
-            output, False, "nonfinite", math.inf, 0.0, math.inf, "NaN/inf pattern differs"
-        )
+    if nonfinite_mismatch(k, r):
+        return Verdict(output, (Tier("nonfinite", math.inf, 0.0),), "NaN/inf pattern differs")
     finite = torch.isfinite(r)
     k, r = k[finite], r[finite]
     if r.numel() == 0:
-        return Verdict(output, True, "ratio", 0.0, 0.0, 0.0, "no finite elements")
+        return Verdict(output, (Tier("ratio", 0.0, 0.0),), "no finite elements")
     err = (k - r).abs()
     scale = r.abs().max().item()
-    checks: list[tuple[str, float, float]] = []
+    tiers: list[Tier] = []
     if base is not None:
         b = base.detach().to(torch.float64).reshape(-1)[finite]
         base_err = (b - r).abs()
         floor = runs * tol.floor * scale
-        checks.append(("ratio", err.max().item(), tol.alpha * base_err.max().item() + floor))
-        checks.append(("ratio", err.mean().item(), tol.alpha * base_err.mean().item() + floor))
+        tiers.append(Tier("ratio", err.max().item(), tol.alpha * base_err.max().item() + floor))
+        tiers.append(Tier("ratio", err.mean().item(), tol.alpha * base_err.mean().item() + floor))
     norm_allowed = runs * (
         tol.atol * math.sqrt(r.numel()) + tol.rtol * torch.linalg.vector_norm(r).item()
     )
-    checks.append(("envelope", torch.linalg.vector_norm(k - r).item(), norm_allowed))
-    worst = max(checks, key=lambda c: _ratio(c[1], c[2]))
-    ratios = [_ratio(m, a) for _, m, a in checks]
-    detail = ", ".join(f"{t}: {m:.3g} <= {a:.3g}" for t, m, a in checks)
-    return Verdict(output, max(ratios) <= 1.0, worst[0], worst[1], worst[2], max(ratios), detail)
-
-
-def _ratio(measured: float, allowed: float) -> float:
-    if measured == 0.0:
-        return 0.0
-    return math.inf if allowed == 0.0 else measured / allowed
+    tiers.append(Tier("envelope", torch.linalg.vector_norm(k - r).item(), norm_allowed))
+    detail = ", ".join(f"{t.name}: {t.measured:.3g} <= {t.allowed:.3g}" for t in tiers)
+    return Verdict(output, tuple(tiers), detail)

@@ -52,11 +52,11 @@ class Tolerances:
         return self.entries[dtype_key][output]
 
 
-def dtype_key(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> str:
-    """``fp32``, ``bf16``, ... for equal dtypes; ``fp32_bf16`` for fp32 hidden x bf16 weight."""
-    if hidden_dtype == weight_dtype:
-        return _SHORT[hidden_dtype]
-    key = f"{_SHORT[hidden_dtype]}_{_SHORT[weight_dtype]}"
+def dtype_key(hidden_dtype: str | torch.dtype, weight_dtype: str | torch.dtype) -> str:
+    """The tolerances.yaml key of a (hidden, weight) dtype pair, given as names (``"fp32"``) or
+    torch dtypes: ``fp32``, ``bf16``, ... for equal dtypes; ``fp32_bf16`` for fp32 x bf16."""
+    hidden, weight = (_SHORT.get(d, d) for d in (hidden_dtype, weight_dtype))
+    key = hidden if hidden == weight else f"{hidden}_{weight}"
     if key not in DTYPES:
         raise ValueError(f"no tolerance entry for hidden {hidden_dtype} x weight {weight_dtype}")
     return key

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from verify.cases.spec import CaseSpec
-from verify.numerics.compare import Verdict, compare
+from verify.numerics.compare import Verdict, compare, nonfinite_mismatch, ratio
 from verify.numerics.tolerances import Tolerance
 from verify.properties import known
 
@@ -75,33 +75,18 @@ def tolerance_check(
 ) -> PropertyVerdict:
     """Tiers 1-2 of tolerances.yaml: ``kernel`` vs float64 ``ref``; ``base`` is B's value;
     ``runs`` as in `verify.numerics.compare.compare`."""
-    verdict = from_compare(prop, spec, compare(output, kernel, ref, base, tol, runs))
+    compared = compare(output, kernel, ref, base, tol, runs)
+    verdict = from_compare(prop, spec, compared)
     if verdict.passed or base is None or verdict.tier not in ("ratio", "envelope"):
         return verdict
-    envelope = compare(output, kernel, ref, None, tol, runs)
+    envelope_ratio = compared.ratio_of("envelope")
     if verdict.tier == "ratio":
-        return replace(verdict, known=known.ratio_tier_noise(verdict, envelope.passed, spec))
-    base_envelope = compare(output, base, ref, None, tol, runs)
-    ratio_ok = _ratio_tier_ok(kernel, ref, base, tol, runs)
-    tag = known.envelope_shared_with_baseline(envelope.ratio, base_envelope.ratio, ratio_ok)
+        tag = known.ratio_tier_noise(verdict, envelope_ratio <= 1.0, spec)
+        return replace(verdict, known=tag)
+    base_envelope = compare(output, base, ref, None, tol, runs)  # B against the same envelope
+    ratio_ok = compared.ratio_of("ratio") <= 1.0
+    tag = known.envelope_shared_with_baseline(envelope_ratio, base_envelope.ratio, ratio_ok)
     return replace(verdict, known=tag)
-
-
-def _ratio_tier_ok(
-    kernel: torch.Tensor, ref: torch.Tensor, base: torch.Tensor, tol: Tolerance, runs: int
-) -> bool:
-    """Tier 1 of `verify.numerics.compare.compare` alone: max and mean of |K - R| vs
-    alpha |B - R|."""
-    k, r, b = (t.detach().to(torch.float64).reshape(-1) for t in (kernel, ref, base))
-    finite = torch.isfinite(r)
-    k, r, b = k[finite], r[finite], b[finite]
-    if r.numel() == 0:
-        return True
-    floor = runs * tol.floor * r.abs().max().item()
-    err, base_err = (k - r).abs(), (b - r).abs()
-    return all(
-        f(err).item() <= tol.alpha * f(base_err).item() + floor for f in (torch.max, torch.mean)
-    )
 
 
 def pair_check(
@@ -138,37 +123,36 @@ def exact_check(
     e = expected.detach().to(torch.float64).reshape(-1)
     if k.shape != e.shape:
         return flag(prop, spec, output, False, f"shape {tuple(k.shape)} != {tuple(e.shape)}")
-    if bool((torch.isnan(k) != torch.isnan(e)).any()) or bool((k.isinf() != e.isinf()).any()):
-        return PropertyVerdict(
-            prop, output, "nonfinite", False, math.inf, 0.0, math.inf,
-            "NaN/inf pattern differs", spec.to_json(),
-        )  # fmt: skip
+    if nonfinite_mismatch(k, e):
+        return bound_check(
+            prop, spec, output, math.inf, 0.0, "nonfinite", "NaN/inf pattern differs"
+        )
     finite = torch.isfinite(e)
     k, e = k[finite], e[finite]
     measured = torch.linalg.vector_norm(k - e).item() if k.numel() else 0.0
     allowed = 0.0
     if k.numel():
         allowed = rel * torch.linalg.vector_norm(e).item() + atol * math.sqrt(k.numel())
-    ratio = 0.0 if measured == 0.0 else (math.inf if allowed == 0.0 else measured / allowed)
     floor = f" + {atol:g} * sqrt(n)" if atol else ""
     detail = f"||K-E|| {measured:.3g} <= {rel:g} * ||E||{floor}"
-    return PropertyVerdict(
-        prop, output, "exact", ratio <= 1.0, measured, allowed, ratio, detail, spec.to_json()
-    )
+    return bound_check(prop, spec, output, measured, allowed, "exact", detail)
 
 
 def bound_check(
-    prop: str, spec: CaseSpec, output: str, measured: float, allowed: float, tier: str
+    prop: str,
+    spec: CaseSpec,
+    output: str,
+    measured: float,
+    allowed: float,
+    tier: str,
+    detail: str = "",
 ) -> PropertyVerdict:
     """A verdict from an already measured quantity and its bound (NaN measured fails)."""
-    if measured != measured:  # NaN
-        ratio = math.inf
-    else:
-        ratio = 0.0 if measured == 0.0 else (math.inf if allowed == 0.0 else measured / allowed)
-    detail = f"{measured:.3g} <= {allowed:.3g}"
+    value = ratio(measured, allowed)
     return PropertyVerdict(
-        prop, output, tier, ratio <= 1.0, measured, allowed, ratio, detail, spec.to_json()
-    )
+        prop, output, tier, value <= 1.0, measured, allowed, value,
+        detail or f"{measured:.3g} <= {allowed:.3g}", spec.to_json(),
+    )  # fmt: skip
 
 
 def flag(prop: str, spec: CaseSpec, output: str, ok: bool, detail: str) -> PropertyVerdict:
@@ -176,5 +160,5 @@ def flag(prop: str, spec: CaseSpec, output: str, ok: bool, detail: str) -> Prope
     measured = 0.0 if ok else 1.0
     return PropertyVerdict(
         prop, output, "status" if "status" in output else "exact", ok, measured, 0.0,
-        0.0 if ok else math.inf, detail, spec.to_json(),
+        ratio(measured, 0.0), detail, spec.to_json(),
     )  # fmt: skip

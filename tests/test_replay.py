@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from verify.cli import CORPUS_DIR
+from verify.cli import CORPUS_DIR, EXIT_FAIL, EXIT_PASS, EXIT_USAGE, main
 from verify.distributed import WorkerPool
 from verify.results import artifacts
 from verify.results.replay import replay, summary_lines
@@ -86,6 +86,55 @@ def test_a_differing_reference_names_its_outputs(found, tmp_path):
     assert "DIFFERS from artifact on grad_hidden" in "\n".join(summary_lines(result))
 
 
+def _edited(tmp_path, change) -> str:
+    """A corpus entry (a planted bug at TP=1) with ``change(record)`` applied, as a file."""
+    source = CORPUS_DIR / "differential-torch-tp1-fc0b3066d5cccd43.json"
+    record = json.loads(source.read_text())
+    change(record)
+    edited = tmp_path / source.name
+    edited.write_text(json.dumps(record))
+    return str(edited)
+
+
+@pytest.mark.parametrize("command", ["replay", "corpus"])
+def test_a_replay_of_other_numbers_does_not_reproduce(command, tmp_path, capsys):
+    """An edited seed gives another problem: its reference differs from the recorded one, so the
+    verdicts say nothing about the recorded failure; replay and corpus say so and fail."""
+    edited = _edited(tmp_path, lambda r: r["spec"].update(seed=r["spec"]["seed"] + 1))
+    argv = ["replay", edited] if command == "replay" else ["corpus", "--dir", str(tmp_path)]
+    assert main(argv) == EXIT_FAIL
+    out = capsys.readouterr().out
+    assert "DOES NOT REPRODUCE: the recomputed reference differs from the recorded one" in out
+    assert out.splitlines()[-1].endswith(" not as expected")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r["spec"].pop("seed"), "spec lacks ['seed']; an artifact records every field"),
+        (lambda r: r.update(mutant="no_such"), "unknown mutant 'no_such'; known: "),
+        (lambda r: r.update(property="differential,nope"), "unknown property ['nope']; known: "),
+    ],
+)
+def test_an_artifact_naming_what_does_not_exist_is_a_usage_error(change, message, tmp_path, capsys):
+    edited = _edited(tmp_path, change)
+    for argv in (["replay", edited], ["corpus", "--dir", str(tmp_path)]):
+        assert main(argv) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+
+
+def test_corpus_mutant_entries_reproduce_their_recorded_failure(capsys):
+    """Each planted-bug entry fails the recorded (property, output, tier) checks: the output says
+    "same failure as recorded: yes" for every one (it said "no" for 11 of 12: the comparison
+    required the measured values of a recording made before lce's numerics changed)."""
+    assert main(["corpus"]) == EXIT_PASS
+    lines = [line for line in capsys.readouterr().out.splitlines() if "same failure" in line]
+    planted = [p for p in CORPUS_DIR.glob("*.json") if json.loads(p.read_text()).get("mutant")]
+    assert len(lines) == len(planted) >= 12
+    assert all(line.strip().startswith("same failure as recorded: yes") for line in lines), lines
+
+
 def test_rehash_rerecords_a_stale_reference_and_nothing_else(tmp_path):
     """After a deliberate change to R, `verify rehash` rewrites the recorded hashes (and says
     when); a current file is left byte for byte as it was."""
@@ -137,8 +186,9 @@ def test_regression_corpus_passes_and_still_catches_its_bugs(pool):
         mutant = artifact.record.get("mutant")
         if mutant:
             planted.add(mutant)
-            caught = not replay(artifact, pool=use, times=1).passed
-            assert caught, f"{path.name} no longer catches {mutant}: {REGENERATE}"
+            caught = replay(artifact, pool=use, times=1)
+            assert not caught.passed, f"{path.name} no longer catches {mutant}: {REGENERATE}"
+            assert caught.same_failure, f"{path.name}: {mutant} fails otherwise: {REGENERATE}"
     assert planted <= set(MUTANTS) and len(planted) >= 10, f"corpus covers {sorted(planted)}"
 
 

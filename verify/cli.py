@@ -378,7 +378,9 @@ def _replay_all(loaded, args, plans: Callable, times: int, annotate: bool) -> in
                     mutant=mutant,
                     times=times,
                 )
-                good = result.passed == must_pass and result.identical
+                good = result.passed == must_pass and result.identical and result.reproducible
+                if not must_pass and annotate:  # a corpus entry's planted bug: its own failure
+                    good &= result.same_failure
                 ok &= good
                 runs, unexpected = runs + 1, unexpected + (not good)
                 for line in summary_lines(result, must_pass if annotate else None):

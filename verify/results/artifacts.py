@@ -32,6 +32,9 @@ SCHEMA = "lce-failure"
 SCHEMA_VERSION = 1
 PACKAGES = ("torch", "triton", "hypothesis", "megatron-core", "numpy")
 REQUIRED = ("schema", "schema_version", "spec", "property", "backend", "tp", "verdicts")
+# CaseSpec fields added after artifacts were first written, with the behaviour older artifacts
+# had before the field existed; every other field must be recorded.
+ADDED_LATER: dict[str, Any] = {"reduce_hidden": True}
 
 
 class ArtifactError(ValueError):
@@ -303,11 +306,31 @@ def load(path: Path | str) -> Artifact:
             f"{path}: schema_version {version!r} is newer than this verify ({SCHEMA_VERSION}); "
             "update the repository"
         )
+    _check_names(path, record)
+    data = record["spec"]
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path}: invalid spec: expected a JSON object, got {data!r}")
+    missing = sorted(set(CaseSpec.__dataclass_fields__) - set(data) - set(ADDED_LATER))
+    if missing:  # a field left out would silently take its default: other numbers
+        raise ArtifactError(f"{path}: spec lacks {missing}; an artifact records every field")
     try:
-        spec = CaseSpec.from_json(record["spec"])
+        spec = CaseSpec.from_json({**ADDED_LATER, **data})
     except (TypeError, ValueError) as exc:
         raise ArtifactError(f"{path}: invalid spec: {exc}") from exc
     return Artifact(path, spec, record)
+
+
+def _check_names(path: Path, record: dict[str, Any]) -> None:
+    """The artifact's properties and planted bug exist in this verify."""
+    from verify.properties.catalog import PROPERTIES
+    from verify.running.mutants import MUTANTS
+
+    unknown = [n for n in str(record["property"]).split(",") if n not in PROPERTIES]
+    if unknown:
+        raise ArtifactError(f"{path}: unknown property {unknown}; known: {', '.join(PROPERTIES)}")
+    mutant = record.get("mutant")
+    if mutant is not None and mutant not in MUTANTS:
+        raise ArtifactError(f"{path}: unknown mutant {mutant!r}; known: {', '.join(MUTANTS)}")
 
 
 def _json_safe(value: Any) -> Any:

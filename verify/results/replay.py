@@ -84,11 +84,32 @@ class ReplayResult:
         return sorted(n for n in recorded.keys() | here.keys() if recorded.get(n) != here.get(n))
 
     @property
+    def reproducible(self) -> bool:
+        """The replay computed the artifact's problem: its float64 reference has the recorded
+        sha256 (an edited seed or spec, or another R, would give other numbers: then the
+        verdicts say nothing about the recorded failure). True when none is recorded."""
+        return self.reference_matches_artifact is not False
+
+    @property
     def same_failure(self) -> bool:
-        """The first run fails on the recorded outputs with the recorded measured values."""
-        recorded = {_key(v): v["measured"] for v in self.artifact.verdicts if is_failure(v)}
-        failing = {_key(v): v["measured"] for v in self.runs[0].verdicts if is_failure(v)}
+        """The first run fails the recorded (property, output, tier) checks and no others: the
+        recorded failure reproduces. Its measured values may have moved (`measured_drift`) when
+        the code around a planted bug changed since the recording."""
+        recorded = {_key(v) for v in self.artifact.verdicts if is_failure(v)}
+        failing = {_key(v) for v in self.runs[0].verdicts if is_failure(v)}
         return bool(recorded) and recorded == failing
+
+    @property
+    def measured_drift(self) -> float:
+        """Largest relative change of a failing verdict's measured value from the recording
+        (0: bit-identical)."""
+        recorded = {_key(v): float(v["measured"]) for v in self.artifact.verdicts}
+        drift = 0.0
+        for verdict in self.runs[0].verdicts:
+            before, now = recorded.get(_key(verdict)), float(verdict["measured"])
+            if before is not None and before != now and not verdict["passed"]:
+                drift = max(drift, abs(now - before) / max(abs(before), abs(now)))
+        return drift
 
 
 class _RecordingRunner(Runner):
@@ -165,8 +186,14 @@ def summary_lines(result: ReplayResult, expect_pass: bool | None = None) -> list
         f"; kernel sha256 {first.kernel_sha256[:16]}",
         f"  reference sha256 {(result.reference_sha256 or 'none')[:16]} ({match})",
     ]
+    if not result.reproducible:
+        lines.append("  DOES NOT REPRODUCE: the recomputed reference differs from the recorded one")
     if not result.passed and result.artifact.verdicts:
-        lines.append(f"  same failure as recorded: {'yes' if result.same_failure else 'no'}")
+        same = "no"
+        if result.same_failure:
+            drift = result.measured_drift
+            same = "yes, bit for bit" if drift == 0 else f"yes (measured moved by {drift:.2g})"
+        lines.append(f"  same failure as recorded: {same}")
     for verdict in first.verdicts:
         if not verdict["passed"]:
             known = f" (known class: {verdict['known']})" if verdict.get("known") else ""

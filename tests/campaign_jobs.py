@@ -3,9 +3,27 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 
 def die(payload: dict[str, Any], ctx: Any) -> None:
     """Every rank exits at once, as a segfaulting kernel would take its process down."""
     os._exit(3)
+
+
+STALL_FILE = "LCE_TEST_STALL_FILE"  # environment: where rank 1 writes its pid before it stalls
+
+
+def stall_once(payload: dict[str, Any], ctx: Any) -> Any:
+    """The real case job, except that the first time rank 1 runs it, rank 1 writes its pid to
+    ``$LCE_TEST_STALL_FILE`` and sleeps (for the test to SIGKILL it mid-job)."""
+    from verify.execution.execute import case_job
+
+    path = os.environ[STALL_FILE]
+    if ctx.rank == 1 and not os.path.exists(path):
+        with open(path + ".tmp", "w") as handle:
+            handle.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+        time.sleep(120)
+    return case_job(payload, ctx)

@@ -1,5 +1,5 @@
 """``python -m verify`` / ``lce-verify``: run a campaign, replay failures, run the regression
-corpus, run the mutation self-test. Exit codes: 0 passed, 1 a check failed, 2 bad usage or input."""
+corpus, run the mutation self-test. Exit codes: see `EXIT_PASS` ... below (docs/exit-codes.md)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,22 @@ import argparse
 import contextlib
 import functools
 import os
+import signal
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 CORPUS_DIR = (
     Path(__file__).resolve().parent / "corpus"
 )  # the regression corpus (verify.results.corpus)
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+# The exit codes of every command: this is their one definition (docs/exit-codes.md says the same).
+EXIT_PASS = 0  # every check ran and passed
+EXIT_FAIL = 1  # the implementation failed a check: failure artifacts written (a verdict on it)
+EXIT_USAGE = 2  # bad arguments or input files (one line names which); nothing was judged
+EXIT_INFRA = 3  # no check failed, but a worker died or hung: infrastructure only, re-run
+EXIT_HARNESS = 4  # the harness itself raised (a bug in verify, traceback printed): no verdict
+EXIT_SIGNAL = 128  # + the signal number (130 SIGINT, 143 SIGTERM): stopped, the report so far
 ENV_VAR = "LCE_TOLERANCES"  # = verify.numerics.tolerances.ENV_VAR (not imported: torch loads late)
 
 
@@ -30,12 +38,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     _interpret_triton_on_cpu()
+    from verify.distributed.errors import PoolError
+
     try:
         with _tolerance_file(args.tolerances), _one_bug_per_search():
             return args.handler(args)
     except UsageError as exc:
         print(f"lce-verify {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except PoolError as exc:  # a worker died or hung outside a campaign's own handling
+        first = str(exc).splitlines()[0]
+        print(f"lce-verify {args.command}: infrastructure error: {first}", file=sys.stderr)
+        return EXIT_INFRA
+    except Exception:
+        traceback.print_exc()
+        print(f"lce-verify {args.command}: internal error of the harness", file=sys.stderr)
+        return EXIT_HARNESS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,18 +249,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     result = run_campaign(config)
     doc = result.report
-    print(
-        f"{doc['title']}: {'PASSED' if result.passed else 'FAILED'} - {doc['examples']} examples"
-        f" in {doc['wall_s']:.0f} s ({doc['examples_per_s']} examples/s), "
-        f"{len(doc['failures'])} failure(s)"
+    counts = (
+        f"{doc['examples']} examples in {doc['wall_s']:.0f} s, {len(doc['failures'])} failure(s), "
+        f"{len(doc['errors'])} infrastructure error(s)"
     )
+    if result.interrupted:
+        print(f"{doc['title']}: INTERRUPTED by {result.interrupted} after {counts}; "
+              f"report so far: {result.paths['markdown']}")  # fmt: skip
+        return EXIT_SIGNAL + signal.Signals[result.interrupted].value
+    verdict = "PASSED" if result.passed else "FAILED"
+    print(f"{doc['title']}: {verdict} - {counts} ({doc['examples_per_s']} examples/s)")
     for failure in doc["failures"]:
         print(f"  {failure['artifact']}: {failure['line']}")
+    for error in doc["errors"]:
+        print(f"  infrastructure error at {error['where']}: {error['message'].splitlines()[0]}")
     print(
         f"report: {result.paths['markdown']} (JSON {result.paths['json']}, "
         f"plot {result.paths['png'] or 'none: matplotlib is not installed'})"
     )
-    return EXIT_PASS if result.passed else EXIT_FAIL
+    return campaign_exit_code(doc)
+
+
+def campaign_exit_code(doc: dict) -> int:
+    """`EXIT_FAIL` when the implementation failed a check, else `EXIT_INFRA` when only
+    infrastructure faulted, else `EXIT_PASS`."""
+    if doc["failures"]:
+        return EXIT_FAIL
+    return EXIT_INFRA if doc["errors"] else EXIT_PASS
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:

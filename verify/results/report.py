@@ -142,7 +142,7 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
         "examples": examples,
         "examples_per_s": round(examples / wall, 3) if wall > 0 else None,
         "known_examples": tally.known_examples,
-        "passed": not tally.failures and not tally.errors,
+        "passed": not tally.failures and not tally.errors and not meta.get("interrupted"),
         "slices": tally.slices,
         "counts": counts,
         "examples_by_dtype": by_dtype,
@@ -180,6 +180,8 @@ def _seed_note(seed: int | None) -> str:
 def markdown(doc: dict[str, Any]) -> str:
     """The readable report: verdict, timing, examples, worst ratios, failures, errors."""
     verdict = "PASSED" if doc["passed"] else "FAILED"
+    if doc.get("interrupted"):
+        verdict = f"INTERRUPTED by {doc['interrupted']} (what ran until then)"
     rate = doc["examples_per_s"]
     env = doc.get("environment", {})
     versions = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items() if v)

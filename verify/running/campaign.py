@@ -9,10 +9,14 @@ the pool is rebuilt for the next slice. The report (JSON, Markdown, PNG) goes to
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -111,28 +115,53 @@ class CampaignResult:
     report: dict[str, Any]
     paths: dict[str, Path | None]
     artifacts: list[Path] = field(default_factory=list)
+    interrupted: str | None = None  # the signal that stopped it (SIGINT, SIGTERM)
 
 
 class InfraFault(BaseException):
-    """A rank died or hung: stop the slice without shrinking (each retry could hang again)."""
+    """A rank died or hung twice on one case: stop the slice without shrinking (a BaseException,
+    so Hypothesis does not treat it as the case's failure)."""
 
     def __init__(self, error: PoolError, spec: CaseSpec) -> None:
         super().__init__(str(error))
         self.error, self.spec = error, spec
 
 
+def is_infrastructure(error: PoolError) -> bool:
+    """A rank died or hung, or one left the others stuck: the workers, not the case, failed."""
+    if isinstance(error, WorkerError):
+        return not error.pool_intact
+    return isinstance(error, WorkerDied | WorkerHung)
+
+
 class _GuardedRunner(Runner):
-    """Turns a dead or hung rank into `InfraFault`; a job that raised stays a normal failure."""
+    """A dead or hung rank is an infrastructure error, never a verdict: ``on_fault`` reports it
+    (rank and job in the message) and the case runs once more on the rebuilt pool. A second
+    fault raises `InfraFault`, and so does every later run (Hypothesis re-running the case then
+    sees the same outcome, never a flaky one). A job that raised stays the case's outcome."""
+
+    def __init__(self, *args: Any, on_fault: Callable[[str], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_fault = on_fault
+        self.fault: PoolError | None = None
 
     def run(self, spec: CaseSpec, *, fresh: bool = False):
-        try:
-            return super().run(spec, fresh=fresh)
-        except (WorkerDied, WorkerHung) as error:
-            raise InfraFault(error, spec) from error
-        except WorkerError as error:
-            if not error.pool_intact:
-                raise InfraFault(error, spec) from error
-            raise
+        if self.fault is not None:
+            raise InfraFault(self.fault, spec)
+        for attempt in (1, 2):
+            try:
+                result = super().run(spec, fresh=fresh)
+            except PoolError as error:
+                if not is_infrastructure(error):
+                    raise
+                retry = "case rerun on the rebuilt pool" if attempt == 1 else "again: slice ended"
+                self.on_fault(f"{error.args[0].splitlines()[0]}; {retry}; spec {spec.to_json()}")
+                if attempt == 2:
+                    self.fault = error
+                    raise InfraFault(error, spec) from error
+            else:
+                return result
+        raise AssertionError("unreachable")
 
 
 def run_campaign(
@@ -154,35 +183,75 @@ def run_campaign(
     began = time.monotonic()
     deadline = began + config.budget_s
     slices = [(b, tp) for b in config.backends for tp in config.tp_sizes]
-    exhausted = False
+    exhausted, interrupted, search = False, None, None
+    with stop_signals() as received:
+        try:
+            for index, (backend, tp) in enumerate(slices):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    exhausted = True
+                    tally.slices.append(_slice_row(backend, tp, "skipped (budget)", 0, [], 0.0))
+                    continue
+                search = None
+                if needs_pool(tp, config.device) and pool is None:
+                    pool = WorkerPool(world_size=max(config.tp_sizes), device=config.device)
+                share = remaining / (len(slices) - index)  # time left over flows to later slices
+                progress.start_slice(backend, tp)
+                search = _Slice(config, backend, tp, tally, progress)
+                search.deadlines = (time.monotonic() + share, deadline)
+                search.run(pool, with_status=backend == config.backends[0])
+                exhausted |= search.status == "budget"
+                saved.extend(search.artifacts)
+                tally.slices.append(search.row())
+                search = None
+        except KeyboardInterrupt:  # SIGINT, or SIGTERM through `stop_signals`
+            interrupted = received.name
+            if search is not None:  # the slice it stopped: its examples and any unsaved failure
+                search.status = "interrupted"
+                search.save_unsaved()
+                saved.extend(search.artifacts)
+                tally.slices.append(search.row())
+        finally:
+            if own_pool and pool is not None:
+                pool.close()
+            progress.finish(interrupted)
+        meta = _meta(config, time.monotonic() - began, exhausted, interrupted)
+        document, paths = report.write(tally, meta, config.out_dir)
+    return CampaignResult(document["passed"], document, paths, saved, interrupted)
+
+
+class _Received:
+    """Which stop signal arrived (``SIGINT`` unless `stop_signals` saw another)."""
+
+    name = "SIGINT"
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[_Received]:
+    """SIGINT and SIGTERM stop the block with ``KeyboardInterrupt`` (the yielded object names
+    the signal); after the first, both are ignored until the block ends, so stopping the pool
+    and writing the report finish. Previous handlers come back afterwards. Outside the main
+    thread (no signal handlers there) nothing changes."""
+    received = _Received()
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        received.name = signal.Signals(signum).name
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt(received.name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
-        for index, (backend, tp) in enumerate(slices):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                exhausted = True
-                tally.slices.append(_slice_row(backend, tp, "skipped (budget)", 0, [], 0.0))
-                continue
-            if needs_pool(tp, config.device) and pool is None:
-                pool = WorkerPool(world_size=max(config.tp_sizes), device=config.device)
-            share = remaining / (len(slices) - index)  # time left over flows to later slices
-            progress.start_slice(backend, tp)
-            search = _Slice(config, backend, tp, tally, progress)
-            search.deadlines = (time.monotonic() + share, deadline)
-            search.run(pool, with_status=backend == config.backends[0])
-            exhausted |= search.status == "budget"
-            saved.extend(search.artifacts)
-            tally.slices.append(
-                _slice_row(
-                    backend, tp, search.status, search.examples, search.artifacts, search.seconds
-                )
-            )
+        yield received
     finally:
-        if own_pool and pool is not None:
-            pool.close()
-        progress.finish()
-    meta = _meta(config, time.monotonic() - began, exhausted)
-    document, paths = report.write(tally, meta, config.out_dir)
-    return CampaignResult(document["passed"], document, paths, saved)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class _Slice:
@@ -197,17 +266,37 @@ class _Slice:
         self.status, self.examples, self.seconds = "done", 0, 0.0
         self.artifacts: list[Path] = []
         self.current: CaseSpec | None = None  # the last drawn spec: after shrinking, the minimal
+        self.names_now: list[str] = []  # the properties the running search checks
         self.failed = False  # the search found a failure: later examples are shrinking re-runs
         # Searching stops at the slice's share of the budget; shrinking may go on to the end of
         # the campaign's budget (a found failure is worth more than later slices' examples).
         self.deadlines = (math.inf, math.inf)
         self.signatures: set[tuple] = set()  # (properties, dtype, outputs) of saved failures
+        # The search's first failing example and its failing verdicts until they are saved
+        # (shrunk): what an interrupted search still reports.
+        self.unsaved: tuple[CaseSpec, list[Any], list[str]] | None = None
+
+    def row(self) -> dict[str, Any]:
+        """This slice's line of the report's slice table."""
+        return _slice_row(
+            self.backend, self.tp, self.status, self.examples, self.artifacts, self.seconds
+        )
+
+    def save_unsaved(self) -> None:
+        """Save the failure the search found but had not finished shrinking (unshrunk)."""
+        if self.unsaved is not None:
+            spec, failing, names = self.unsaved
+            self._save(spec, names, failing, None, self.examples, shrunk=False)
 
     def run(self, pool: WorkerPool | None, with_status: bool) -> None:
         """The status search (invalid inputs, cheap) first when asked, then the valid cases."""
         # A slice that runs in this process sees no pool (no megatron peer at CPU TP=1).
         on_pool = needs_pool(self.tp, self.config.device)
-        runner = _GuardedRunner(pool if on_pool else None, self.config.mutant)
+        runner = _GuardedRunner(
+            pool if on_pool else None,
+            self.config.mutant,
+            on_fault=lambda message: self.tally.add_error(f"{self.backend} TP={self.tp}", message),
+        )
         valid = [n for n in self.names if n != "status"]
         searches = []
         if with_status and "status" in self.names:
@@ -218,20 +307,23 @@ class _Slice:
             )
             searches.append((valid, specs))
         began = time.monotonic()
-        for names, strategy in searches:
-            for attempt in range(1 + RESTARTS):
-                seed = self.config.seed if attempt == 0 else (self.config.seed or 0) + attempt
-                found = self._search(names, strategy.map(self._draw), runner, seed)
-                if not found or self.status != "done" or time.monotonic() > self.deadlines[0]:
+        try:
+            for names, strategy in searches:
+                for attempt in range(1 + RESTARTS):
+                    seed = self.config.seed if attempt == 0 else (self.config.seed or 0) + attempt
+                    self.names_now = names
+                    found = self._search(names, strategy.map(self._draw), runner, seed)
+                    if not found or self.status != "done" or time.monotonic() > self.deadlines[0]:
+                        break
+                if self.status != "done":
                     break
-            if self.status != "done":
-                break
-        self.seconds = time.monotonic() - began
+        finally:
+            self.seconds = time.monotonic() - began
 
     def _search(self, names: list[str], strategy: Any, runner: Runner, seed: int | None) -> bool:
         """One Hypothesis search; its shrunk failure (or minimal raising case) is saved.
         Returns whether it found a failure."""
-        self.failed, self.current = False, None
+        self.failed, self.current, self.unsaved = False, None, None
         saved = len(self.artifacts)
         try:
             result = run_property(
@@ -250,12 +342,8 @@ class _Slice:
                 spec = result.shrunk_spec or self.current
                 shrunk = False if result.stopped else None
                 self._save(spec, names, result.failure, None, result.first_failure_at, shrunk)
-        except InfraFault as fault:
+        except InfraFault:  # reported by the runner; no failure artifact: lce did not fail
             self.status = "infrastructure error"
-            where = f"{self.backend} TP={self.tp}"
-            self.tally.add_error(where, f"{fault.error} while running {fault.spec.to_json()}")
-            error = f"{type(fault.error).__name__}: {fault.error}"
-            self._save(fault.spec, names, [], error, None, shrunk=False)
         except Exception as exc:  # the case raised; Hypothesis shrank it to `self.current`
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             self._save(self.current, names, [], f"{type(exc).__name__}: {first_line}", None)
@@ -271,7 +359,10 @@ class _Slice:
         self.examples += 1
         self.tally.add_example(spec.dtype_key, spec.backend, spec.tp, verdicts)
         self.progress.example()
-        self.failed = any(v.failed for v in verdicts)
+        failing = [v for v in verdicts if v.failed]
+        self.failed = bool(failing)
+        if failing:
+            self.unsaved = (spec, failing, self.names_now)
 
     def _save(
         self,
@@ -300,6 +391,7 @@ class _Slice:
             mutant=self.config.mutant,
             examples=at,
         )
+        self.unsaved = None
         signature = (record["property"], spec.dtype_key, *sorted(v.output for v in failing))
         if signature in self.signatures:  # a restarted search found the same failure class
             return
@@ -337,9 +429,12 @@ def _slice_row(
     }
 
 
-def _meta(config: CampaignConfig, wall_s: float, exhausted: bool) -> dict[str, Any]:
+def _meta(
+    config: CampaignConfig, wall_s: float, exhausted: bool, interrupted: str | None
+) -> dict[str, Any]:
     return {
         "title": f"{config.profile} campaign",
+        "interrupted": interrupted,
         "profile": config.profile,
         "backends": list(config.backends),
         "tp_sizes": list(config.tp_sizes),

@@ -38,9 +38,11 @@ class Progress:
         self.failures += 1
         self._show(force=True)
 
-    def finish(self) -> None:
+    def finish(self, interrupted: str | None = None) -> None:
+        """The last line, ``done``; none when ``interrupted`` (the caller's summary says it)."""
         self.slice = "done"
-        self._show(force=True)
+        if not interrupted:
+            self._show(force=True)
         if self.tty and self.stream is not None:
             self.stream.write("\n")
 

@@ -1,0 +1,97 @@
+"""A campaign's faults are not the implementation's: a worker SIGKILLed mid-job is an
+infrastructure error (rank and job reported, the case rerun once on the rebuilt pool, no failure
+artifact, exit code `EXIT_INFRA`); SIGINT and SIGTERM stop the pool and write the report so far,
+marked interrupted, with one line to the terminal and exit 130 / 143."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.campaign_jobs import STALL_FILE
+from verify.cli import EXIT_INFRA, EXIT_SIGNAL, campaign_exit_code
+from verify.distributed import WorkerPool
+from verify.running.campaign import CampaignConfig, run_campaign
+from verify.running.progress import Progress
+
+
+def _kill_when_stalled(path: Path, timeout_s: float = 120.0) -> threading.Thread:
+    """SIGKILL the pid that `tests.campaign_jobs.stall_once` writes to ``path``, once it does."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if path.exists():
+            os.kill(int(path.read_text()), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_worker_killed_mid_job_is_an_infrastructure_error(tmp_path, monkeypatch):
+    from verify.execution import execute
+
+    stall = tmp_path / "stalled.pid"
+    monkeypatch.setenv(STALL_FILE, str(stall))  # before the pool starts: workers inherit it
+    monkeypatch.setattr(execute, "CASE_JOB", "tests.campaign_jobs:stall_once")
+    config = CampaignConfig(
+        backends=("torch",),
+        tp_sizes=(2,),
+        budget_s=120,
+        out_dir=tmp_path / "out",
+        properties=("differential",),
+        max_examples=4,
+    )
+    with WorkerPool(world_size=2, timeout_s=60) as pool:
+        killer = _kill_when_stalled(stall)
+        result = run_campaign(config, Progress("test", 120, stream=None), pool=pool)
+        killer.join()
+        assert pool.starts == 2  # rebuilt once after the kill
+    killed_pid = stall.read_text()
+    doc = result.report
+    assert doc["failures"] == [] and result.artifacts == []  # lce is not blamed
+    assert not list((tmp_path / "out").rglob("*.json"))[1:]  # report.json alone
+    (error,) = doc["errors"]
+    assert error["where"] == "torch TP=2"
+    message = error["message"]
+    assert message.startswith("rank 1 died while running tests.campaign_jobs:stall_once(")
+    assert "(killed by SIGKILL); case rerun on the rebuilt pool; spec {" in message
+    assert killed_pid and '"tp":2' in message
+    assert doc["slices"][0]["status"] == "done" and doc["examples"] == 4  # the case ran again
+    assert campaign_exit_code(doc) == EXIT_INFRA
+    assert "1 infrastructure error(s)" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stopped_campaign_writes_its_report_so_far(sig, tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "verify", "run", "--profile", "ci", "--backends", "torch",
+               "--tp", "1,2", "--budget-s", "300", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    assert "examples" in process.stderr.readline()  # the first slice started
+    time.sleep(4)  # mid-campaign: examples ran, more to come
+    process.send_signal(sig)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == EXIT_SIGNAL + sig.value, stdout + stderr
+    name = sig.name
+    (line,) = stdout.splitlines()  # one line to the terminal
+    assert line.startswith(f"ci campaign: INTERRUPTED by {name} after ")
+    assert "Traceback" not in stderr and "done" not in stderr
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["interrupted"] == name and doc["passed"] is False
+    assert doc["examples"] > 0 and doc["slices"][-1]["status"] == "interrupted"
+    assert sum(s["examples"] for s in doc["slices"]) == doc["examples"]
+    assert (out / "report.md").read_text().startswith(f"# ci campaign: INTERRUPTED by {name}")

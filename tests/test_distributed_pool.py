@@ -230,7 +230,8 @@ def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _tp_tolerance(single: torch.Tensor, expected: torch.Tensor, dtype: str) -> float:
-    """How far TP=k may be from TP=1 (DESIGN: within the tolerance TP=1 meets vs the reference)."""
+    """How far TP=k may be from TP=1 (docs/DESIGN.md: within the tolerance TP=1 meets vs the
+    reference)."""
     scale = expected.abs().max().item()
     if dtype == "float64":
         # Only the summation order differs (shard max/rescale, all-reduce order): ~100 ulps of fp64.

@@ -1,5 +1,6 @@
 """Issue-3 verdicts from benchmark rows (benchmarks/kernel_targets.py): the llama3-8k rows of the
-2026-11-23 H100 nightly (docs/nightly/2026-11-23-h100-persistent) give the recorded verdicts."""
+2026-11-23 H100 nightly (docs/results/nightly/2026-11-23-h100-persistent) give the recorded
+verdicts."""
 
 from __future__ import annotations
 

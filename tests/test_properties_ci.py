@@ -1,6 +1,6 @@
 """The property engine's ``ci`` profile on the correct implementation: both backends, TP on a pool.
 
-Every dtype pair, every input class of DESIGN.md within `verify.cases.strategies.LOGIT_BOUND`.
+Every dtype pair, every input class of docs/DESIGN.md within `verify.cases.strategies.LOGIT_BOUND`.
 """
 
 from __future__ import annotations

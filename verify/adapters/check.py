@@ -134,7 +134,7 @@ def check_impl(
     it each property runs the profile's example count once. Failures are written as artifacts
     into ``failures_dir`` when given. ``spec_filter`` narrows the search (e.g. to leave out a
     regime with an open, reported finding). ``landmarks``: every search starts with the engine's
-    landmark specs (one per input class of DESIGN.md), mapped to what the adapter supports.
+    landmark specs (one per input class of docs/DESIGN.md), mapped to what the adapter supports.
     """
     adapter = resolve(impl)
     runner = Runner(pool, adapter=adapter)

@@ -66,7 +66,7 @@ def draw(spec: CaseSpec) -> Draws:
     n, h, v = spec.num_tokens, spec.hidden_size, spec.vocab
     f64 = {"generator": gen, "dtype": torch.float64}
     hidden = torch.randn(n, h, **f64)
-    # Log-normal row norms: uniform random weights hide most bugs (DESIGN.md).
+    # Log-normal row norms: uniform random weights hide most bugs (docs/DESIGN.md).
     row_norms = torch.exp(0.5 * torch.randn(v, 1, **f64))
     weight = torch.randn(v, h, **f64) * row_norms
     return Draws(

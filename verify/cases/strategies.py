@@ -95,7 +95,8 @@ def case_specs(
     pairs: tuple[tuple[str, str], ...] = DTYPE_PAIRS,
     max_tokens: int = 24,
 ) -> CaseSpec:
-    """A valid case reaching DESIGN's input classes, at one of ``tp_sizes`` and ``backends``."""
+    """A valid case reaching the input classes of docs/DESIGN.md, at one of ``tp_sizes`` and
+    ``backends``."""
     tp = draw(st.sampled_from(tp_sizes))
     backend = draw(st.sampled_from(backends))
     if backend == "triton":  # Triton refuses fp64 weights (its kernels compute in fp32)
@@ -132,7 +133,7 @@ def case_specs(
 def landmark_specs(
     tp_sizes: tuple[int, ...] = (1,), backends: tuple[str, ...] = ("torch",)
 ) -> list[CaseSpec]:
-    """One small spec per input class of DESIGN.md, run first by every search (explicit phase):
+    """One small spec per input class of docs/DESIGN.md, run first by every search (explicit phase):
     the search then starts from every class instead of waiting to draw it."""
     base = CaseSpec(tokens=5, hidden_size=8, vocab=13, backend=backends[0], upstream="random")
     specs = [

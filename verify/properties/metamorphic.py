@@ -1,4 +1,5 @@
-"""Metamorphic properties: two runs of related cases whose outputs must agree (DESIGN.md list).
+"""Metamorphic properties: two runs of related cases whose outputs must agree (listed in
+docs/DESIGN.md).
 
 Each check takes ``(spec, runner)`` and returns verdicts; a check that does not apply to a spec
 returns none. Agreement between two low-precision runs is held to the sum of the two runs'

@@ -1,5 +1,5 @@
 """Status agreement: on invalid input every backend raises, with the same error type, and the
-message names the offending argument (DESIGN: "both backends must agree on error vs value")."""
+message names the offending argument (docs/DESIGN.md: both backends refuse the same inputs)."""
 
 from __future__ import annotations
 

@@ -98,9 +98,10 @@ def pair_check(
     base_error: torch.Tensor,
     tol: Tolerance,
 ) -> PropertyVerdict:
-    """Two kernel runs that must agree as closely as each agrees with R (DESIGN's TP rule): both
-    may be off by their own bound, so ``|kernel - other|`` is held to the sum of the two runs'
-    tiers, with ``base_error = |B1 - R1| + |B2 - R2|`` (elementwise) as the ratio tier's scale.
+    """Two kernel runs that must agree as closely as each agrees with R (the TP rule of
+    docs/DESIGN.md): both may be off by their own bound, so ``|kernel - other|`` is held to the
+    sum of the two runs' tiers, with ``base_error = |B1 - R1| + |B2 - R2|`` (elementwise) as the
+    ratio tier's scale.
     A single run's bound would fail two runs that each pass against R (a B that rounds one of
     the two problems unusually well: docs/bench/properties.md)."""
     other64 = other.detach().to(torch.float64)

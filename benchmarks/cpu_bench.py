@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from verify.numerics.reference import IGNORE_INDEX
+
 METHODS = ("materialized", "torch_lce_reference", "torch_lce_chunked_512", "lce_torch")
 
 
@@ -48,7 +50,7 @@ def measure(method: str, tokens: int, hidden_size: int, vocab: int, repeats: int
     hidden = torch.randn(tokens, hidden_size, generator=gen).requires_grad_()
     weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
-    targets[::17] = -100
+    targets[::17] = IGNORE_INDEX
     start_rss = _rss_mib()
     times = []
     for _ in range(repeats):

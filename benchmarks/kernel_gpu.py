@@ -32,6 +32,7 @@ from lce.backends.triton import config as triton_config
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.forward_kernel import forward_partials
 from lce.tp import merge_stats
+from verify.numerics.reference import IGNORE_INDEX
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import kernel_targets  # this script's folder is on sys.path
@@ -43,7 +44,6 @@ SHAPES = {
     "gemma2-8k": (8192, 2304, 256000),
 }
 TARGET_SHAPE = "llama3-8k"  # where issue 3 sets its targets
-IGNORE = -100
 GIB = float(1 << 30)
 
 
@@ -227,7 +227,7 @@ def make_inputs(num_tokens: int, hidden_size: int, vocab: int) -> dict:
     hidden = torch.randn(num_tokens, hidden_size, device="cuda", generator=gen).bfloat16()
     weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.02).bfloat16()
     targets = torch.randint(0, vocab, (num_tokens,), device="cuda", generator=gen)
-    targets[::17] = IGNORE
+    targets[::17] = IGNORE_INDEX
     upstream = torch.randn(num_tokens, device="cuda", generator=gen)
     return {"hidden": hidden, "weight": weight, "targets": targets, "upstream": upstream}
 
@@ -241,11 +241,11 @@ def fp32_reference(inp: dict) -> dict:
         weight = inp["weight"].float().requires_grad_()
         logits = hidden @ weight.T
         if mode == "mean":
-            loss = F.cross_entropy(logits, inp["targets"], ignore_index=IGNORE)
+            loss = F.cross_entropy(logits, inp["targets"], ignore_index=IGNORE_INDEX)
             out["loss"] = loss.item()
         else:
             per_token = F.cross_entropy(
-                logits, inp["targets"], ignore_index=IGNORE, reduction="none"
+                logits, inp["targets"], ignore_index=IGNORE_INDEX, reduction="none"
             )
             loss = (-per_token * inp["upstream"]).sum()
         out[mode] = torch.autograd.grad(loss, (hidden, weight))
@@ -269,8 +269,8 @@ def grads_of(loss_fn: Callable, inp: dict, mode: str) -> Callable[[], tuple]:
 def stock_loss(hidden, weight, targets, mode):
     logits = (hidden @ weight.T).float()
     if mode == "mean":
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE)
-    return -F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+    return -F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def stock_forward(inp):

@@ -1,9 +1,10 @@
 """Worker-pool benchmark: start time, lce examples per second at each TP degree, pool overhead.
 
-Each example is a new seed of an `LceCase` run by `verify.distributed.jobs:lce_forward_backward`
-(build the global problem, take the shard, lce forward + backward). Per example:
-``compute`` = lce forward+backward (slowest rank), ``job`` = the whole job function (adds building
-tensors), ``wall`` = the driver's `pool.run`. Pool overhead = (wall - job) / compute.
+Each example is a new seed of a `CaseSpec` run by the harness's case job
+(`verify.execution.execute.CASE_JOB`: build the global problem, take the shard, lce's token outputs
+and its loss, forward + backward). Per example: ``compute`` = the lce calls and their gradients
+(slowest rank), ``job`` = the whole job function (adds building tensors and checking the inputs),
+``wall`` = the driver's `pool.run`. Pool overhead = (wall - job) / compute.
 
     PYTHONPATH=. python benchmarks/pool_bench.py [--small 40 --medium 8] [--device cuda]
 """
@@ -16,15 +17,14 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from verify.cases.spec import CaseSpec
 from verify.distributed import WorkerPool
-from verify.distributed.jobs import LceCase
+from verify.execution.execute import CASE_JOB, case_payload
 
-JOB = "verify.distributed.jobs:lce_forward_backward"
 SIZES = {"small": (64, 64, 512), "medium": (512, 256, 8192)}  # tokens, hidden, vocab
 
 
@@ -48,16 +48,25 @@ def idle_cpu_percent(pids: list[int], seconds: float) -> float:
     return 100.0 * (ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds
 
 
+def case(size: str, tp: int, seed: int) -> dict:
+    """The case job's payload for one example: fp32, torch backend, random ignored tokens."""
+    tokens, hidden, vocab = SIZES[size]
+    spec = CaseSpec(
+        tokens=tokens, hidden_size=hidden, vocab=vocab, tp=tp, scale=3.0, ignore="random",
+        seed=seed,
+    )  # fmt: skip
+    return case_payload(spec)
+
+
 def sequential(pool: WorkerPool, size: str, tp: int, examples: int) -> dict:
     """One `pool.run` per example, as a Hypothesis search drives the pool."""
-    tokens, hidden, vocab = SIZES[size]
-    pool.run(JOB, LceCase(seed=10**6, tokens=tokens, hidden=hidden, vocab=vocab), tp)  # warm-up
+    pool.run(CASE_JOB, case(size, tp, seed=10**6), tp)  # warm-up
     walls, jobs, computes = [], [], []
     began = time.perf_counter()
     for seed in range(examples):
-        case = LceCase(seed=seed, tokens=tokens, hidden=hidden, vocab=vocab)
+        payload = case(size, tp, seed)
         start = time.perf_counter()
-        results = pool.run(JOB, case, tp)
+        results = pool.run(CASE_JOB, payload, tp)
         walls.append(time.perf_counter() - start)
         jobs.append(pool.last_stats[0].worker_s)
         computes.append(max(result["compute_s"] for result in results))
@@ -72,16 +81,14 @@ def sequential(pool: WorkerPool, size: str, tp: int, examples: int) -> dict:
 
 def concurrent(pool: WorkerPool, size: str, tp: int, examples: int) -> float:
     """Examples per second with `pool.map` filling every disjoint TP slot at once."""
-    tokens, hidden, vocab = SIZES[size]
-    cases = [LceCase(seed=s, tokens=tokens, hidden=hidden, vocab=vocab) for s in range(examples)]
+    cases = [case(size, tp, seed) for seed in range(examples)]
     began = time.perf_counter()
-    pool.map(JOB, cases, tp)
+    pool.map(CASE_JOB, cases, tp)
     return examples / (time.perf_counter() - began)
 
 
 def collectives(pool: WorkerPool, tp: int) -> dict[str, int]:
-    tokens, hidden, vocab = SIZES["small"]
-    inner = {"job": JOB, "payload": LceCase(seed=1, tokens=tokens, hidden=hidden, vocab=vocab)}
+    inner = {"job": CASE_JOB, "payload": case("small", tp, seed=1)}
     return pool.run("verify.distributed.diagnostics:count_collectives", inner, tp)[0]["collectives"]
 
 
@@ -116,7 +123,7 @@ def main() -> None:
                 rows.append(row)
     report["rows"] = rows
     report["sizes"] = SIZES
-    report["case_defaults"] = asdict(LceCase(seed=0, tokens=0, hidden=0, vocab=0))
+    report["case"] = json.loads(case("small", 1, seed=0)["spec"])  # sizes and seed vary
     report["load_after"] = load()
     kind = f"world {pool.world_size}, {'NCCL' if args.device == 'cuda' else 'gloo'}"
     print(f"pool start ({kind}): {starts[0]:.2f} s first, {starts[1]:.2f} s second")

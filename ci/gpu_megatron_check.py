@@ -29,13 +29,17 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script (and in its spawned ranks): import lce, verify
     sys.path.insert(0, str(ROOT))
+from verify.cases.build import build  # noqa: E402 (after the path set-up above)
+from verify.cases.spec import CaseSpec  # noqa: E402
+from verify.numerics.reference import IGNORE_INDEX  # noqa: E402
+
 SEED = 20261122
 S, B, H, V = 8, 2, 24, 74  # S divisible by TP=2; V / 2 = 37 rows per rank, odd on purpose
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One case's numbers, built globally in float64 from one seed (identical at every TP)."""
+    """One case's numbers in megatron's layout, float64, identical at every TP."""
 
     hidden: torch.Tensor  # [S, B, H]
     weight: torch.Tensor  # [V, H]
@@ -45,22 +49,21 @@ class Problem:
     g_entropy: torch.Tensor
 
 
-def make_problem(seed: int, ignore: bool) -> Problem:
-    gen = torch.Generator("cpu").manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    # Row norms spread over e^{+-1}: some tokens dominate, as in trained heads.
-    weight = randn(V, H) * (0.6 * randn(V, 1)).exp() / H**0.5
-    labels = torch.randint(0, V, (B, S), generator=gen)
-    target_rows = weight[labels.T]  # [S, B, H]
-    direction = target_rows / target_rows.norm(dim=-1, keepdim=True)
-    peaked = torch.rand(S, B, 1, generator=gen) < 0.5  # these targets' logits far above the rest
-    hidden = randn(S, B, H) + 6.0 * peaked * direction
-    if ignore:
-        labels = torch.where(torch.rand(B, S, generator=gen) < 0.25, -100, labels)
-    return Problem(hidden, weight, labels, randn(B, S), randn(B, S), randn(B, S))
+def megatron_problem(seed: int, ignore: bool) -> Problem:
+    """The harness's problem of a `CaseSpec` (``[B, S]`` tokens, log-normal weight rows, logits of
+    scale 3, random ignored tokens when ``ignore``), with hidden as megatron's ``[S, B, H]``."""
+    spec = CaseSpec(
+        tokens=S, batch=B, hidden_size=H, vocab=V, hidden_dtype="fp64", weight_dtype="fp64",
+        scale=3.0, ignore="random" if ignore else "none", reduction="none", seed=seed,
+    )  # fmt: skip
+    problem = build(spec)
+    # The loss's upstream: the case's second, independent upstream draw.
+    g_loss = build(spec.with_(transform="upstream_b")).grad_logprob
+    return Problem(
+        problem.hidden.view(B, S, H).transpose(0, 1).contiguous(), problem.weight,
+        problem.targets.view(B, S), g_loss.double().view(B, S),
+        problem.grad_logprob.double().view(B, S), problem.grad_entropy.double().view(B, S),
+    )  # fmt: skip
 
 
 @dataclass
@@ -210,7 +213,7 @@ def case_logprobs(ctx: Ctx, prob: Problem, hdtype, wdtype, sp: bool) -> None:
     gh_k, gw_k = _grads(layer, h_k)
     h_b = _leaf(hidden, wdtype, ctx)
     logits = stock_logits(h_b, layer, None, temperature)
-    lp_b, ent_b = stock_token_outputs(logits, labels.T, tp_group_of(layer), -100, True)
+    lp_b, ent_b = stock_token_outputs(logits, labels.T, tp_group_of(layer), IGNORE_INDEX, True)
     (lp_b.T * g_lp + ent_b.T * g_ent).sum().backward()
     gh_b, gw_b = _grads(layer, h_b)
     ref = _token_reference(prob, hdtype, wdtype, temperature, loss=False)
@@ -229,7 +232,7 @@ def case_logprobs(ctx: Ctx, prob: Problem, hdtype, wdtype, sp: bool) -> None:
     # The fallback (stock) path must itself be right: envelope tier against R.
     fallback = [(o, b, r, None) for (o, r), b in zip(r_outputs, stock, strict=True)]
     _verdicts(ctx, f"stock-fallback/{key}", key, fallback)
-    ignored = prob.labels.to(ctx.device) == -100
+    ignored = prob.labels.to(ctx.device) == IGNORE_INDEX
     zero = bool((out_k.logprobs[ignored] == 0).all() and (out_k.entropy[ignored] == 0).all())
     ctx.check(name, zero and bool(ignored.any()), "ignored labels give exactly 0")
 
@@ -394,7 +397,10 @@ def case_frozen_head(ctx: Ctx, prob: Problem) -> None:
 
 def run_cases(ctx: Ctx) -> None:
     fp32, bf16 = torch.float32, torch.bfloat16
-    plain, with_ignored = make_problem(SEED, ignore=False), make_problem(SEED + 1, ignore=True)
+    plain, with_ignored = (
+        megatron_problem(SEED, ignore=False),
+        megatron_problem(SEED + 1, ignore=True),
+    )
     for hdtype, wdtype in ((fp32, fp32), (bf16, bf16), (fp32, bf16)):
         for sp in (False, True) if ctx.tp > 1 else (False,):  # megatron: SP needs TP > 1
             case_loss(ctx, plain, hdtype, wdtype, sp)

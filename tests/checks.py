@@ -7,9 +7,30 @@ from __future__ import annotations
 
 import torch
 
+from verify.cases.build import Problem, build
+from verify.cases.spec import CaseSpec
 from verify.numerics.compare import compare
-from verify.numerics.reference import Reference, baseline, reference
+from verify.numerics.reference import IGNORE_INDEX, Reference, baseline, reference
 from verify.numerics.tolerances import dtype_key, load
+
+
+def core_problem(
+    tokens: int,
+    hidden_size: int,
+    vocab: int,
+    seed: int,
+    dtypes: tuple[str, str] = ("fp32", "fp32"),
+    **fields,
+) -> Problem:
+    """The global problem of the `CaseSpec` the core tests use: random ignored tokens and logits
+    of scale 3 on log-normal weight rows, unless ``fields`` say otherwise."""
+    hidden_dtype, weight_dtype = dtypes
+    fields = {"ignore": "random", "scale": 3.0, **fields}
+    spec = CaseSpec(
+        tokens=tokens, hidden_size=hidden_size, vocab=vocab, seed=seed,
+        hidden_dtype=hidden_dtype, weight_dtype=weight_dtype, **fields,
+    )  # fmt: skip
+    return build(spec)
 
 
 def reference_and_baseline(
@@ -21,7 +42,7 @@ def reference_and_baseline(
     grad_entropy: torch.Tensor | None,
 ) -> tuple[Reference, Reference]:
     kwargs = dict(
-        ignore_index=-100,
+        ignore_index=IGNORE_INDEX,
         temperature=temperature,
         grad_logprob=grad_logprob,
         grad_entropy=grad_entropy,
@@ -33,8 +54,8 @@ def assert_outputs_match(
     kernel: dict[str, torch.Tensor],
     ref: Reference,
     base: Reference,
-    hidden_dtype: torch.dtype,
-    weight_dtype: torch.dtype,
+    hidden_dtype: str | torch.dtype,
+    weight_dtype: str | torch.dtype,
 ) -> None:
     """Every output in ``kernel`` (named like `Reference` fields) passes its tolerance entry."""
     assert_within_tolerance(
@@ -46,8 +67,8 @@ def assert_outputs_match(
 
 def assert_within_tolerance(
     triples: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
-    hidden_dtype: torch.dtype,
-    weight_dtype: torch.dtype,
+    hidden_dtype: str | torch.dtype,
+    weight_dtype: str | torch.dtype,
 ) -> None:
     """``{output: (K, R, B)}``: each K passes the tolerance entry of its output and dtype."""
     key = dtype_key(hidden_dtype, weight_dtype)

@@ -6,10 +6,14 @@ import pytest
 import torch
 
 import lce
-from tests.checks import assert_outputs_match, assert_within_tolerance, reference_and_baseline
-from tests.problems import IGNORE, make_problem
+from tests.checks import (
+    assert_outputs_match,
+    assert_within_tolerance,
+    core_problem,
+    reference_and_baseline,
+)
 from tests.test_core import BACKENDS, run_lce
-from verify.numerics.reference import loss_upstream_grad
+from verify.numerics.reference import IGNORE_INDEX, loss_upstream_grad
 from verify.numerics.tolerances import load
 
 T, H, V = 29, 24, 67
@@ -17,7 +21,7 @@ T, H, V = 29, 24, 67
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_all_ignored_gives_zero_grads_and_nan_mean(backend):
-    problem = make_problem(T, H, V, seed=3, ignore_fraction=1.0)
+    problem = core_problem(T, H, V, seed=3, ignore="all")
     hidden = problem.hidden.clone().requires_grad_()
     weight = problem.weight.clone().requires_grad_()
     loss = lce.linear_cross_entropy(hidden, weight, problem.targets, backend=backend)
@@ -31,8 +35,9 @@ def test_all_ignored_gives_zero_grads_and_nan_mean(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ignored_rows_are_exactly_zero_and_their_hidden_irrelevant(backend):
-    problem = make_problem(T, H, V, seed=4, ignore_fraction=0.4)
-    ignored = problem.targets == IGNORE
+    problem = core_problem(T, H, V, seed=4)
+    ignored = problem.targets == IGNORE_INDEX
+    assert 0 < int(ignored.sum()) < T, "the case needs ignored and kept rows"
     hidden, weight, out = run_lce(problem, backend)
     upstream = [problem.grad_logprob, problem.grad_entropy]
     torch.autograd.backward([out.logprobs, out.entropy], upstream)
@@ -50,16 +55,16 @@ def test_ignored_rows_are_exactly_zero_and_their_hidden_irrelevant(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_of_range_targets_raise_naming_the_ids(backend):
-    problem = make_problem(T, H, V, seed=5)
+    problem = core_problem(T, H, V, seed=5)
     targets = problem.targets.clone()
     targets[3], targets[7] = V, -5
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, V\): -5, 67"):
         lce.token_logprobs(problem.hidden, problem.weight, targets, backend=backend)
     # A custom ignore_index is ignored, not an error.
-    targets[7] = IGNORE
+    targets[7] = IGNORE_INDEX
     targets[3] = -1
     out = lce.token_logprobs(
-        problem.hidden, problem.weight, targets.where(targets != IGNORE, -1), ignore_index=-1
+        problem.hidden, problem.weight, targets.where(targets != IGNORE_INDEX, -1), ignore_index=-1
     )
     assert out.logprobs[3] == 0.0
 
@@ -97,7 +102,7 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_3d_noncontiguous_inputs_and_strided_grads(backend):
     batch, seq = 3, 11
-    problem = make_problem(batch * seq, H, V, seed=6)
+    problem = core_problem(batch * seq, H, V, seed=6)
     # hidden as a transposed [B, T, H] view; weight as a column slice of a wider tensor.
     hidden_3d = problem.hidden.view(seq, batch, H).transpose(0, 1).detach().requires_grad_()
     wide = torch.cat([problem.weight, torch.randn(V, 5)], dim=1)
@@ -133,7 +138,7 @@ def test_3d_noncontiguous_inputs_and_strided_grads(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_tokens", [0, 1])
 def test_zero_and_one_token(backend, num_tokens):
-    problem = make_problem(num_tokens, H, V, seed=7, ignore_fraction=0.0)
+    problem = core_problem(num_tokens, H, V, seed=7, ignore="none")
     hidden, weight, out = run_lce(problem, backend)
     assert out.logprobs.shape == (num_tokens,)
     (out.logprobs * problem.grad_logprob).sum().backward()
@@ -144,7 +149,7 @@ def test_zero_and_one_token(backend, num_tokens):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_autograd_modes(backend):
-    problem = make_problem(T, H, V, seed=8)
+    problem = core_problem(T, H, V, seed=8)
     frozen_weight = problem.weight.clone()
     hidden = problem.hidden.clone().requires_grad_()
     out = lce.token_logprobs(hidden, frozen_weight, problem.targets, backend=backend)
@@ -164,7 +169,7 @@ def test_autograd_modes(backend):
 
 
 def test_chunk_size_invariance_is_exact_in_fp64():
-    problem = make_problem(T, H, V, hidden_dtype=torch.float64, seed=9)
+    problem = core_problem(T, H, V, seed=9, dtypes=("fp64", "fp64"))
     runs = []
     for chunk_size in (1, 5, T):
         hidden, weight, out = run_lce(problem, "torch", temperature=0.9, chunk_size=chunk_size)
@@ -180,11 +185,11 @@ def test_chunk_size_invariance_is_exact_in_fp64():
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_fp64_scalar_loss_keeps_fp64_and_matches_the_reference(reduction):
-    problem = make_problem(T, H, V, hidden_dtype=torch.float64, seed=10)
+    problem = core_problem(T, H, V, seed=10, dtypes=("fp64", "fp64"))
     hidden = problem.hidden.clone().requires_grad_()
     loss = lce.linear_cross_entropy(hidden, problem.weight, problem.targets, reduction=reduction)
     loss.backward(torch.tensor(0.4, dtype=torch.float64))
-    valid = problem.targets != IGNORE
+    valid = problem.targets != IGNORE_INDEX
     upstream = loss_upstream_grad(valid, reduction, torch.tensor(0.4, dtype=torch.float64))
     ref, base = reference_and_baseline(
         problem.hidden, problem.weight, problem.targets, 1.0, upstream, None

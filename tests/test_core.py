@@ -8,9 +8,13 @@ import pytest
 import torch
 
 import lce
-from tests.checks import assert_outputs_match, assert_within_tolerance, reference_and_baseline
-from tests.problems import IGNORE, make_problem
-from verify.numerics.reference import loss_upstream_grad, reference
+from tests.checks import (
+    assert_outputs_match,
+    assert_within_tolerance,
+    core_problem,
+    reference_and_baseline,
+)
+from verify.numerics.reference import IGNORE_INDEX, loss_upstream_grad, reference
 
 BACKENDS = [
     "torch",
@@ -22,10 +26,10 @@ BACKENDS = [
     ),
 ]
 DTYPES = {
-    "fp32": (torch.float32, torch.float32),
-    "bf16": (torch.bfloat16, torch.bfloat16),
-    "fp16": (torch.float16, torch.float16),
-    "fp32_bf16": (torch.float32, torch.bfloat16),
+    "fp32": ("fp32", "fp32"),
+    "bf16": ("bf16", "bf16"),
+    "fp16": ("fp16", "fp16"),
+    "fp32_bf16": ("fp32", "bf16"),
 }
 # Small shapes: V=97 is prime (never a multiple of a tile), H=40 is not a multiple of 16.
 T, H, V = 37, 40, 97
@@ -50,7 +54,7 @@ def run_lce(problem, backend, temperature=1.0, chunk_size=8, **kwargs):
 @pytest.mark.parametrize("dtypes", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_outputs_and_grads_match_reference(backend, dtypes, temperature):
-    problem = make_problem(T, H, V, *dtypes, seed=1)
+    problem = core_problem(T, H, V, seed=1, dtypes=dtypes)
     hidden, weight, out = run_lce(problem, backend, temperature)
     # Random upstream gradients on both outputs at once.
     torch.autograd.backward(
@@ -79,7 +83,7 @@ def test_outputs_and_grads_match_reference(backend, dtypes, temperature):
 @pytest.mark.parametrize("dtypes", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 def test_loss_reductions_match_reference(backend, dtypes, reduction):
-    problem = make_problem(T, H, V, *dtypes, seed=2)
+    problem = core_problem(T, H, V, seed=2, dtypes=dtypes)
     hidden = problem.hidden.clone().requires_grad_()
     weight = problem.weight.clone().requires_grad_()
     loss = lce.linear_cross_entropy(
@@ -94,7 +98,7 @@ def test_loss_reductions_match_reference(backend, dtypes, reduction):
     # A scalar upstream gradient != 1, or a random per-token one for reduction="none".
     grad_loss = problem.grad_logprob if reduction == "none" else torch.tensor(-0.37)
     loss.backward(grad_loss)
-    valid = problem.targets != IGNORE
+    valid = problem.targets != IGNORE_INDEX
     upstream = loss_upstream_grad(valid, reduction, grad_loss.double())
     ref, base = reference_and_baseline(
         problem.hidden, problem.weight, problem.targets, 1.3, upstream, None

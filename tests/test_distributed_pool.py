@@ -15,9 +15,10 @@ import time
 import pytest
 import torch
 
+from verify.cases.spec import CaseSpec
 from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool
-from verify.distributed.jobs import LceCase, build_problem, shard_bounds
-from verify.numerics.reference import reference
+from verify.execution.execute import CASE_JOB, case_payload
+from verify.properties.case import expected
 
 DIAG = "verify.distributed.diagnostics"
 VALUES = [1.0, 2.0, 4.0, 8.0]  # powers of two: every subgroup sum is exact and distinct
@@ -191,36 +192,26 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
 def test_lce_job_tp2_and_tp4_equal_tp1(pool, dtype):
-    # V = 509 is prime: shards of 254/255 and 127/128 rows, tiles never line up.
-    case = LceCase(seed=7, tokens=41, hidden=40, vocab=509, dtype=dtype, temperature=0.7)
-    runs = {
-        tp: pool.run("verify.distributed.jobs:lce_forward_backward", case, tp) for tp in (1, 2, 4)
-    }
-    problem = build_problem(case)
-    ref = reference(
-        problem.hidden.to(getattr(torch, dtype)),
-        problem.weight.to(getattr(torch, dtype)),
-        problem.targets,
-        ignore_index=-100,
-        temperature=case.temperature,
-        grad_logprob=problem.grad_logprob.float().double(),
-        grad_entropy=problem.grad_entropy.float().double(),
-    )
+    # V = 509 is prime: shards of 255/254 and 128/127 rows, tiles never line up.
+    case = CaseSpec(
+        tokens=41, hidden_size=40, vocab=509, hidden_dtype=dtype, weight_dtype=dtype,
+        temperature=0.7, scale=3.0, ignore="random", seed=7,
+    )  # fmt: skip
+    runs = {tp: pool.run(CASE_JOB, case_payload(case.with_(tp=tp)), tp) for tp in (1, 2, 4)}
+    ref = expected(case).ref
     single = _merged(runs[1])
     for tp in (2, 4):
-        assert [r["vocab_start"] for r in runs[tp]] == shard_bounds(509, tp)[:-1]
+        shards = [stop - start for start, stop in case.with_(tp=tp).shard_bounds()]
+        assert [r["grad_weight"].shape[0] for r in runs[tp]] == shards
         for result in runs[tp][1:]:  # grad_hidden is reduced inside: identical on every rank
             assert torch.equal(result["grad_hidden"], runs[tp][0]["grad_hidden"])
         merged = _merged(runs[tp])
-        for name, expected in (
-            ("logprobs", ref.logprobs), ("entropy", ref.entropy),
-            ("grad_hidden", ref.grad_hidden), ("grad_weight", ref.grad_weight),
-        ):  # fmt: skip
-            assert merged[name].shape == expected.shape
+        for name in ("logprobs", "entropy", "grad_hidden", "grad_weight"):
+            assert merged[name].shape == ref[name].shape
             gap = (merged[name].double() - single[name].double()).abs().max().item()
-            assert gap <= _tp_tolerance(single[name], expected, dtype), (tp, name, gap)
+            assert gap <= _tp_tolerance(single[name], ref[name], dtype), (tp, name, gap)
 
 
 def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
@@ -233,7 +224,7 @@ def _tp_tolerance(single: torch.Tensor, expected: torch.Tensor, dtype: str) -> f
     """How far TP=k may be from TP=1 (docs/DESIGN.md: within the tolerance TP=1 meets vs the
     reference)."""
     scale = expected.abs().max().item()
-    if dtype == "float64":
+    if dtype == "fp64":
         # Only the summation order differs (shard max/rescale, all-reduce order): ~100 ulps of fp64.
         return 1e-12 * max(scale, 1.0)
     # TP=1 and TP=k are two fp32 roundings of the same float64 values, each off by about

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from verify.cases.spec import DTYPES, LINEARITY_A, CaseSpec, shard_bounds
+from verify.numerics.reference import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 PEAK_MARGIN = 10.0  # peaked rows: target logit = row max + 10
 NEGATIVE_CEILING = 100.0  # negative rows: every logit <= -100 - |offset|
 SPREAD_SCALE = 30.0  # spread rows: logit std >= 30, a row range well past exp's 88 underflow

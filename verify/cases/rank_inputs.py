@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from verify.cases.build import IGNORE_INDEX, Problem, tied_hidden
-from verify.cases.spec import CaseSpec, shard_bounds
+from verify.cases.build import Problem, tied_hidden
+from verify.cases.spec import CaseSpec
+from verify.numerics.reference import IGNORE_INDEX
 
 # The grads choices under which each leaf requires grad.
 _HIDDEN_GRADS = ("both", "hidden", "twice")
@@ -102,12 +103,12 @@ def effective_temperature(spec: CaseSpec) -> float:
 
 def vocab_range(spec: CaseSpec, tp_rank: int) -> tuple[int, int]:
     """``[start, stop)`` of rank ``tp_rank``'s weight rows at ``spec.tp``."""
-    return shard_bounds(spec.vocab, spec.tp)[tp_rank]
+    return spec.shard_bounds()[tp_rank]
 
 
 def explicit_vocab_start(spec: CaseSpec, tp_rank: int) -> int | None:
     """None (lce's default ``rank * V_local``) for equal shards, else the rank's first id."""
-    return None if spec.vocab % spec.tp == 0 else vocab_range(spec, tp_rank)[0]
+    return None if spec.even_shards else vocab_range(spec, tp_rank)[0]
 
 
 def with_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:

@@ -78,8 +78,9 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class CaseSpec:
     """One case. ``batch`` = 0 gives 2-D ``[tokens, H]`` inputs, ``batch`` >= 1 gives 3-D
-    ``[batch, tokens, H]``. ``tp`` is the TP degree the case runs at; shards split the vocabulary
-    like ``numpy.array_split`` (uneven when ``vocab % tp``); ``reduce_hidden=False`` leaves each
+    ``[batch, tokens, H]``. ``tp`` is the TP degree the case runs at; ``shards`` gives each rank's
+    number of vocab rows (zeros allowed), None splits the vocabulary like ``numpy.array_split``
+    (uneven when ``vocab % tp``; see `shard_bounds`); ``reduce_hidden=False`` leaves each
     rank's grad_hidden partial (sequence parallel). ``chunk_size`` is the torch backend's
     tokens per chunk (None: its default). ``seed`` seeds the one generator all tensors come from.
     """
@@ -108,6 +109,7 @@ class CaseSpec:
     seed: int = 0
     fault: str = "none"
     transform: str = "none"
+    shards: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -125,6 +127,13 @@ class CaseSpec:
             raise SpecError(
                 f"(hidden_dtype, weight_dtype) must be one of {DTYPE_PAIRS}, "
                 f"got {(self.hidden_dtype, self.weight_dtype)}"
+            )
+        if self.shards is not None and (
+            len(self.shards) != self.tp or sum(self.shards) != self.vocab or min(self.shards) < 0
+        ):
+            raise SpecError(
+                f"shards must be tp={self.tp} sizes >= 0 summing to vocab={self.vocab}, "
+                f"got {self.shards}"
             )
         if self.tied and self.tp != 1:
             raise SpecError("tied=True needs tp=1 (a vocab-parallel embedding is not modelled)")
@@ -150,13 +159,28 @@ class CaseSpec:
     def target_shape(self) -> tuple[int, ...]:
         return (self.batch, self.tokens) if self.batch else (self.tokens,)
 
+    def shard_bounds(self) -> list[tuple[int, int]]:
+        """``[start, stop)`` of each rank's vocab rows at ``tp``."""
+        return shard_bounds(self.vocab, self.tp, self.shards)
+
+    @property
+    def even_shards(self) -> bool:
+        """Every rank holds as many vocab rows (lce's default ``vocab_start`` then applies)."""
+        return len({stop - start for start, stop in self.shard_bounds()}) == 1
+
     def with_(self, **changes: Any) -> CaseSpec:
         """A copy with ``changes`` (validated)."""
         return replace(self, **changes)
 
     def to_json(self) -> str:
-        """One JSON line (keys sorted) that `from_json` turns back into an equal spec."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        """One JSON line (keys sorted) that `from_json` turns back into an equal spec.
+
+        ``shards`` is written only when set: specs saved before it existed keep their JSON (and
+        the artifact names and fingerprints computed from it)."""
+        data = asdict(self)
+        if data["shards"] is None:
+            del data["shards"]
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> CaseSpec:
@@ -166,17 +190,24 @@ class CaseSpec:
         unknown = sorted(set(data) - known)
         if unknown:
             raise SpecError(f"unknown CaseSpec field(s) {unknown}; known: {sorted(known)}")
+        if data.get("shards") is not None:
+            data["shards"] = tuple(data["shards"])
         return cls(**data)
 
 
-def shard_bounds(vocab: int, tp: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each rank's vocab rows, sized like ``numpy.array_split``."""
-    base, extra = divmod(vocab, tp)
+def shard_bounds(
+    vocab: int, tp: int, sizes: tuple[int, ...] | None = None
+) -> list[tuple[int, int]]:
+    """The one shard rule: ``[start, stop)`` of each rank's vocab rows, contiguous in rank order,
+    of the given ``sizes``, else sized like ``numpy.array_split`` (the first ``vocab % tp`` ranks
+    get one row more)."""
+    if sizes is None:
+        base, extra = divmod(vocab, tp)
+        sizes = tuple(base + (1 if rank < extra else 0) for rank in range(tp))
     bounds, start = [], 0
-    for rank in range(tp):
-        stop = start + base + (1 if rank < extra else 0)
-        bounds.append((start, stop))
-        start = stop
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
     return bounds
 
 

@@ -1,4 +1,5 @@
-"""Smoke test of a local pool on this machine: collectives, the lce job, and fault recovery.
+"""Smoke test of a local pool on this machine: collectives, the harness's case job on lce, and
+fault recovery.
 
     python -m verify.distributed.smoke [--device cuda] [--world-size N]
 
@@ -13,12 +14,12 @@ import time
 
 import torch
 
+from verify.cases.spec import CaseSpec
 from verify.distributed.errors import PoolError, WorkerDied, WorkerError, WorkerHung
-from verify.distributed.jobs import LceCase
 from verify.distributed.pool import WorkerPool
+from verify.execution.execute import CASE_JOB, case_payload
 
 DIAG = "verify.distributed.diagnostics"
-LCE = "verify.distributed.jobs:lce_forward_backward"
 
 
 def exact_sums(pool: WorkerPool, tp: int) -> None:
@@ -30,8 +31,9 @@ def exact_sums(pool: WorkerPool, tp: int) -> None:
 
 def tp_gaps(pool: WorkerPool, backend: str) -> dict[int, float]:
     """Largest |TP=k - TP=1| over logprobs, entropy, grad_hidden and grad_weight (fp32)."""
-    case = LceCase(seed=7, tokens=41, hidden=40, vocab=509, backend=backend, temperature=0.7)
-    runs = {tp: pool.run(LCE, case, tp) for tp in pool.tp_sizes}
+    # V = 509 is prime: no shard lines up with a tile.
+    case = CaseSpec(tokens=41, hidden_size=40, vocab=509, temperature=0.7, backend=backend, seed=7)
+    runs = {tp: pool.run(CASE_JOB, case_payload(case.with_(tp=tp)), tp) for tp in pool.tp_sizes}
     single = runs[1][0]
     gaps = {}
     for tp, results in runs.items():

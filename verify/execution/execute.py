@@ -8,6 +8,7 @@ calls `run_payload` directly in this process.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
@@ -41,8 +42,13 @@ class LocalRank:
     tp_size: int = 1
 
 
+def case_payload(spec: CaseSpec, impl: str = "lce", mutant: str | None = None) -> dict[str, Any]:
+    """What `case_job` takes: the spec's JSON, the adapter's ref, a planted bug or None."""
+    return {"spec": spec.to_json(), "impl": impl, "mutant": mutant}
+
+
 def case_job(payload: dict[str, Any], rank: Rank) -> dict[str, Any]:
-    """A worker's entry: ``payload`` is `run_payload`'s, with ``"impl"``, the adapter's ref."""
+    """A worker's entry: ``payload`` from `case_payload`."""
     from verify.execution.selection import resolve
 
     return run_payload(payload, rank, resolve(payload["impl"]))
@@ -64,7 +70,8 @@ def run_payload(payload: dict[str, Any], rank: Rank, adapter: Adapter) -> dict[s
 
 def execute(spec: CaseSpec, rank: Rank, adapter: Adapter) -> dict[str, Any]:
     """This rank's outputs of ``adapter`` on ``spec`` as CPU tensors keyed by name (per-token
-    outputs, loss, ``grad_*`` and ``loss_grad_*``), ``inputs_unchanged`` and ``dtypes``.
+    outputs, loss, ``grad_*`` and ``loss_grad_*``), ``inputs_unchanged``, ``dtypes`` and
+    ``compute_s`` (the implementation's calls and their gradients, not the build).
 
     The problem is built on the CPU (the same numbers everywhere), then moved to ``rank.device``.
     An exception in ``adapter.refusals`` becomes ``status="raised"`` (the status property).
@@ -103,6 +110,7 @@ def _run(
         )  # fmt: skip
 
     result: dict[str, Any] = {"status": "ok"}
+    began = time.perf_counter()
     with torch.enable_grad() if leaves else torch.no_grad():
         if adapter.token_outputs is not None:
             out = adapter.token_outputs(call())
@@ -121,6 +129,9 @@ def _run(
             if spec.reduction == "none":
                 grad = upstream_view(grad, spec, shape)
             result.update(_grads([(loss, grad)], inputs, "loss_grad_", twice))
+    if torch.device(rank.device).type == "cuda":
+        torch.cuda.synchronize(rank.device)
+    result["compute_s"] = time.perf_counter() - began
     result["inputs_unchanged"] = inputs.unchanged_since(before)
     if adapter.contract.outputs == "input":
         # Exact upcast: the rounding to the input dtype is still measured; only the dtype differs.

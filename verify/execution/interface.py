@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from verify.cases.spec import BACKENDS, DTYPE_PAIRS, REDUCTIONS
+from verify.numerics.reference import IGNORE_INDEX
 
 OUTPUTS = ("logprobs", "entropy", "loss")
 LOGITS = ("fp32", "input")
@@ -46,7 +47,7 @@ class Call:
     hidden: torch.Tensor
     weight: torch.Tensor
     targets: torch.Tensor
-    ignore_index: int = -100
+    ignore_index: int = IGNORE_INDEX
     temperature: float = 1.0
     tp_group: dist.ProcessGroup | None = None
     vocab_start: int | None = None

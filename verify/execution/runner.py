@@ -54,7 +54,7 @@ class Runner:
         if not fresh and spec in self._cache:
             self._cache.move_to_end(spec)
             return self._cache[spec]
-        payload = {"spec": spec.to_json(), "mutant": self.mutant, "impl": self.adapter.ref}
+        payload = execute.case_payload(spec, self.adapter.ref, self.mutant)
         if self.pool is not None and needs_pool(spec.tp, self.pool.device):
             if not self.adapter.ref:
                 raise ValueError(f"adapter {self.adapter.name!r} has no ref for the workers")

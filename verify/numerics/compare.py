@@ -76,6 +76,12 @@ class Verdict:
     def ratio(self) -> float:
         return self.worst.ratio
 
+    def to_json(self) -> dict:
+        """The worst tier's numbers, flat (``output``, ``passed``, ``tier``, ``measured``,
+        ``allowed``, ``ratio``, ``detail``)."""
+        names = ("output", "passed", "tier", "measured", "allowed", "ratio", "detail")
+        return {name: getattr(self, name) for name in names}
+
     def ratio_of(self, name: str) -> float:
         """The worst ratio among the checks of tier ``name`` (0 when it was not checked)."""
         return max((t.ratio for t in self.tiers if t.name == name), default=0.0)

@@ -20,6 +20,9 @@ import torch
 
 from verify.numerics import portable_math
 
+# The target id of an ignored token in every case, test and reference (lce's default).
+IGNORE_INDEX = -100
+
 
 @dataclass(frozen=True)
 class Reference:
@@ -54,7 +57,7 @@ def reference(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     grad_logprob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
@@ -136,7 +139,7 @@ def baseline(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     grad_logprob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,

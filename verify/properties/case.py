@@ -12,10 +12,16 @@ from functools import lru_cache
 
 import torch
 
-from verify.cases.build import IGNORE_INDEX, TIE_SCALE, Problem, build
+from verify.cases.build import TIE_SCALE, Problem, build
 from verify.cases.rank_inputs import effective_temperature
 from verify.cases.spec import CaseSpec
-from verify.numerics.reference import Reference, baseline, loss_upstream_grad, reference
+from verify.numerics.reference import (
+    IGNORE_INDEX,
+    Reference,
+    baseline,
+    loss_upstream_grad,
+    reference,
+)
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from verify.cases.build import IGNORE_INDEX
 from verify.cases.spec import DTYPES, CaseSpec
 from verify.execution.outcome import TOLERANCE_OUTPUT, KernelRun
 from verify.execution.runner import Runner
+from verify.numerics.reference import IGNORE_INDEX
 from verify.numerics.tolerances import load
 from verify.properties.case import expected
 from verify.properties.verdict import PropertyVerdict, exact_check, flag, tolerance_check

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from verify.cases.build import IGNORE_INDEX, build
+from verify.cases.build import build
 from verify.cases.rank_inputs import effective_temperature, vocab_range
 from verify.cases.spec import CaseSpec
 from verify.execution.outcome import TOLERANCE_OUTPUT
 from verify.execution.runner import Runner
-from verify.numerics.reference import loss_upstream_grad
+from verify.numerics.reference import IGNORE_INDEX, loss_upstream_grad
 from verify.numerics.tolerances import load
 from verify.properties.case import expected
 from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
@@ -72,7 +72,7 @@ def torch_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
 
 def megatron_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """lce's log-probs and loss gradients vs R, megatron-core as the baseline (TP on the pool)."""
-    if runner.pool is None or spec.tp not in runner.tp_sizes or spec.vocab % spec.tp:
+    if runner.pool is None or spec.tp not in runner.tp_sizes or not spec.even_shards:
         return []
     if spec.tied or spec.fault != "none" or spec.transform != "none" or spec.num_tokens == 0:
         return []

@@ -33,8 +33,9 @@ SCHEMA_VERSION = 1
 PACKAGES = ("torch", "triton", "hypothesis", "megatron-core", "numpy")
 REQUIRED = ("schema", "schema_version", "spec", "property", "backend", "tp", "verdicts")
 # CaseSpec fields added after artifacts were first written, with the behaviour older artifacts
-# had before the field existed; every other field must be recorded.
-ADDED_LATER: dict[str, Any] = {"reduce_hidden": True}
+# had before the field existed; every other field must be recorded. (``shards`` at None is never
+# written, so that specs keep the JSON, names and fingerprints they had: `CaseSpec.to_json`.)
+ADDED_LATER: dict[str, Any] = {"reduce_hidden": True, "shards": None}
 
 
 class ArtifactError(ValueError):

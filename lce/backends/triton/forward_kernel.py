@@ -71,7 +71,18 @@ def _online_softmax_step(
     return new_max, sumexp, sumexp_z, target_acc, sumexp_others
 
 
-@triton.jit
+# No int argument is specialized (Triton compiles a variant per value class of each: == 1,
+# divisible by 16, other), nor the operand pointers' alignment: a new shape or layout reuses the
+# compiled kernel. Sizes only bound loops and masks. Strides and alignment feed the pointer loads
+# alone, which run only where TMA cannot (a row not 16-byte aligned, a transposed operand), so
+# they could not be vectorized along H anyway.
+@triton.jit(
+    do_not_specialize=[
+        "T", "V", "H", "vocab_start", "num_splits", "tiles_per_split", "num_programs", "plane",
+        "stride_ht", "stride_hh", "stride_wv", "stride_wh",
+    ],
+    do_not_specialize_on_alignment=["hidden", "weight"],
+)  # fmt: skip
 def _forward_partials_kernel(
     hidden,
     weight,
@@ -161,7 +172,7 @@ def _forward_partials_kernel(
         tl.store(out, sumexp_others, mask=in_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_splits", "plane"])  # see _forward_partials_kernel
 def _merge_partials_kernel(partials_ptr, out_ptr, T, num_splits, plane, BLOCK: tl.constexpr):
     """Per token: the max over splits, then each split's sums rescaled onto it and added."""
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -26,7 +26,8 @@ def operand_args(
         "stride_wv": weight.stride(0),
         "stride_wh": weight.stride(1),
         "USE_TMA": tma,
-        "EVEN_H": hidden.shape[1] % tiles.block_h == 0,
+        # Read by the pointer loads only: fixed under TMA, so H does not pick another compile.
+        "EVEN_H": tma or hidden.shape[1] % tiles.block_h == 0,
         "BF16_INTERPRETED": interpreting() and weight.dtype == torch.bfloat16,
     }
     if tma:

@@ -91,7 +91,10 @@ class TritonStages:
         if num_tokens == 0 or vocab_local == 0 or not (need_hidden or need_weight):
             return grad_hidden, grad_weight
         width = self._chunk_width(num_tokens, vocab_local, weight.element_size(), config)
-        buffer = torch.empty(num_tokens, width, dtype=weight.dtype, device=hidden.device)
+        # Rows padded to 16 elements: the kernel's stores stay aligned (vectorized), and its row
+        # stride is one compiled specialization whatever V is.
+        padded = -(-width // 16) * 16
+        buffer = torch.empty(num_tokens, padded, dtype=weight.dtype, device=hidden.device)
         rows = BackwardRows(
             *(s.float().contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
             rows.grad_logprob.float(),

@@ -36,7 +36,14 @@ from verify.execution.runner import Runner
 from verify.execution.selection import resolve
 from verify.properties.verdict import PropertyVerdict
 from verify.results import artifacts
-from verify.running.engine import PropertyFailure, SearchResult, property_failures, run_property
+from verify.running.engine import (
+    PropertyFailure,
+    SearchResult,
+    property_failures,
+    run_property,
+    search_rounds,
+    seeds,
+)
 
 BATCH_EXAMPLES = 20  # examples per seeded batch of a timed search
 MAX_FAILURES = 3  # distinct failures a timed search collects per property
@@ -225,18 +232,21 @@ def _timed(outcome, adapter, search: _Search, share: float, seed: int, deadline:
     began = time.monotonic()
     if search.max_examples is None:
         search.max_examples = BATCH_EXAMPLES
-    while len(outcome.failures) < MAX_FAILURES:
+
+    def batch(seed: int | None) -> bool:
+        if len(outcome.failures) >= MAX_FAILURES:
+            return False
         found = [trigger(adapter, f.spec) for f in outcome.failures]
         if any(not t for t in found):
-            return  # a failure with no trigger to leave out: every later batch would repeat it
-        narrowed = search.strategy.filter(lambda s, found=found: not any(_has(s, t) for t in found))
+            return False  # a failure with no trigger to leave out: every later batch repeats it
+        narrowed = search.strategy.filter(lambda s: not any(_has(s, t) for t in found))
         try:
             finished = search.batch(outcome, seed, narrowed, (began + share, deadline))
         except Unsatisfiable:
-            return  # the triggers left out every spec the strategy can draw
-        seed += 1
-        if not finished or time.monotonic() - began >= share:
-            return
+            return False  # the triggers left out every spec the strategy can draw
+        return finished and time.monotonic() - began < share
+
+    search_rounds(seeds(seed), batch)
 
 
 def flaky_verdicts(exc: FlakyFailure) -> list[PropertyVerdict]:

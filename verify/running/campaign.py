@@ -10,6 +10,7 @@ the pool is rebuilt for the next slice. The report (JSON, Markdown, PNG) goes to
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import secrets
 import signal
@@ -30,7 +31,7 @@ from verify.distributed.errors import PoolError
 from verify.execution.runner import Runner
 from verify.properties.catalog import PROPERTIES
 from verify.results import artifacts, report
-from verify.running.engine import run_property
+from verify.running.engine import run_property, search_rounds, seeds
 from verify.running.mutants import MUTANTS
 from verify.running.profiles import profile_settings
 from verify.running.progress import Progress
@@ -309,12 +310,14 @@ class _Slice:
         began = time.monotonic()
         try:
             for names, strategy in searches:
-                for attempt in range(1 + RESTARTS):
-                    seed = self.config.seed if attempt == 0 else (self.config.seed or 0) + attempt
-                    self.names_now = names
+                self.names_now = names
+
+                def again(seed: int | None, names=names, strategy=strategy) -> bool:
                     found = self._search(names, strategy.map(self._draw), runner, seed)
-                    if not found or self.status != "done" or time.monotonic() > self.deadlines[0]:
-                        break
+                    in_time = time.monotonic() <= self.deadlines[0]
+                    return found and self.status == "done" and in_time
+
+                search_rounds(itertools.islice(seeds(self.config.seed), 1 + RESTARTS), again)
                 if self.status != "done":
                     break
         finally:

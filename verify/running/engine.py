@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from hypothesis import Phase, example, given, settings, target
 from hypothesis import strategies as st
@@ -21,6 +22,8 @@ from verify.execution.runner import Runner
 from verify.properties.catalog import PROPERTIES, get
 from verify.properties.verdict import PropertyVerdict
 from verify.running.profiles import profile_settings
+
+T = TypeVar("T")
 
 
 class PropertyFailure(AssertionError):
@@ -177,6 +180,26 @@ def run_property(
             result.failure, result.other_failures = failures[0], failures[1:]
     result.seconds = time.perf_counter() - began
     return result
+
+
+def seeds(first: int | None) -> Iterator[int | None]:
+    """The seeds of repeated searches: ``first``, then ``first + 1``, ``first + 2``, ... (a
+    search without a seed draws from the profile's own, and its repeats count from 0)."""
+    yield first
+    step = 1
+    while True:
+        yield (first or 0) + step
+        step += 1
+
+
+def search_rounds(rounds: Iterable[T], search: Callable[[T], bool]) -> None:
+    """The one loop of repeated searches: ``search(round)`` for each of ``rounds`` until it
+    returns False (enough). A round is a seed (`seeds`: the campaign's restarts after a saved
+    failure, the adapter check's batches) or the explicit examples to start from (the self-test:
+    its search, then the landmarks)."""
+    for round_ in rounds:
+        if not search(round_):
+            return
 
 
 def property_failures(group: BaseExceptionGroup) -> list[PropertyFailure]:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from verify.cases.spec import DTYPE_PAIRS, CaseSpec
 from verify.cases.strategies import case_specs, landmark_specs
 from verify.execution.runner import Runner
-from verify.running.engine import check_case, run_property
+from verify.running.engine import SearchResult, check_case, run_property, search_rounds
 from verify.running.mutants import MUTANTS
 
 # Properties of the self-test: everything the generator's valid specs exercise, minus the peers
@@ -90,17 +90,35 @@ def mutation_table(
         search = strategy if strategy is not None else selftest_specs(runner.tp_sizes, backends)
         marks = landmark_specs(runner.tp_sizes, backends) if landmarks else []
         began = time.perf_counter()
-        attempts = [[], marks] if shrink else [marks]
-        for examples in attempts:
-            result = run_property(
-                properties, strategy=search, profile=profile, runner=runner,
-                max_examples=max_examples, shrink=shrink, examples=examples,
-            )  # fmt: skip
-            if not result.passed or not marks:
-                break
+        result = _hunt(runner, properties, search, marks, profile, max_examples, shrink)
         rows.append(_row(name, result, Runner(pool), properties, marks))
         rows[-1].seconds = time.perf_counter() - began
     return rows
+
+
+def _hunt(
+    runner: Runner,
+    properties: tuple[str, ...],
+    search: st.SearchStrategy[CaseSpec],
+    marks: list[CaseSpec],
+    profile: str,
+    max_examples: int | None,
+    shrink: bool,
+) -> SearchResult:
+    """The searches for one planted bug, in order until one kills it: with ``shrink`` the plain
+    search, then one starting from the landmarks ``marks``; without, the landmarks' one alone."""
+    results: list[SearchResult] = []
+
+    def attempt(examples: list[CaseSpec]) -> bool:
+        result = run_property(
+            properties, strategy=search, profile=profile, runner=runner,
+            max_examples=max_examples, shrink=shrink, examples=examples,
+        )  # fmt: skip
+        results.append(result)
+        return result.passed and bool(marks)  # search on: no kill yet, landmarks left
+
+    search_rounds([[], marks] if shrink else [marks], attempt)
+    return results[-1]
 
 
 def _row(

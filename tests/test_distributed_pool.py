@@ -18,7 +18,7 @@ import torch
 from verify.cases.spec import CaseSpec
 from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool
 from verify.execution.execute import CASE_JOB, case_payload
-from verify.properties.case import expected
+from verify.properties.expected import expected
 
 DIAG = "verify.distributed.diagnostics"
 VALUES = [1.0, 2.0, 4.0, 8.0]  # powers of two: every subgroup sum is exact and distinct

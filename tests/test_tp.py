@@ -19,7 +19,7 @@ from verify.execution.runner import Runner
 from verify.numerics.compare import compare
 from verify.numerics.reference import IGNORE_INDEX
 from verify.numerics.tolerances import load
-from verify.properties.case import expected
+from verify.properties.expected import expected
 
 # V = 96: shards of 48 / 24 rows. Random ignored tokens, random upstream gradients on logprobs and
 # entropy, a scalar loss upstream of -1.25 (not 1), chunks of 8 tokens.

@@ -11,7 +11,7 @@ from verify.execution.outcome import TOLERANCE_OUTPUT, KernelRun
 from verify.execution.runner import Runner
 from verify.numerics.reference import IGNORE_INDEX
 from verify.numerics.tolerances import load
-from verify.properties.case import expected
+from verify.properties.expected import expected
 from verify.properties.verdict import PropertyVerdict, exact_check, flag, tolerance_check
 
 PER_TOKEN = ("logprobs", "entropy", "loss", "grad_hidden", "loss_grad_hidden")

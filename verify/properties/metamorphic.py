@@ -17,7 +17,7 @@ from verify.cases.spec import DTYPES, LINEARITY_A, CaseSpec
 from verify.execution.outcome import TOLERANCE_OUTPUT, KernelRun
 from verify.execution.runner import Runner
 from verify.numerics.tolerances import load
-from verify.properties.case import expected
+from verify.properties.expected import expected
 from verify.properties.verdict import (
     PropertyVerdict,
     bound_check,

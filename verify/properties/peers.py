@@ -23,7 +23,7 @@ from verify.execution.outcome import TOLERANCE_OUTPUT
 from verify.execution.runner import Runner
 from verify.numerics.reference import IGNORE_INDEX, loss_upstream_grad
 from verify.numerics.tolerances import load
-from verify.properties.case import expected
+from verify.properties.expected import expected
 from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
 
 MEGATRON_JOB = "verify.properties.peers:megatron_job"

@@ -131,7 +131,7 @@ def reference_output_sha256(spec: CaseSpec) -> dict[str, str] | None:
 
 
 def _reference_outputs(spec: CaseSpec) -> dict[str, torch.Tensor] | None:
-    from verify.properties.case import expected
+    from verify.properties.expected import expected
 
     try:
         return expected(spec).ref

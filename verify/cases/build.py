@@ -7,7 +7,8 @@ inputs at every TP degree, on every machine. Never the global RNG, never a per-r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 
 import torch
 
@@ -84,10 +85,36 @@ def draw(spec: CaseSpec) -> Draws:
 
 
 def build(spec: CaseSpec) -> Problem:
-    """The global problem of ``spec`` (after its transform), inputs cast to the spec's dtypes."""
+    """The global problem of ``spec`` (after its transform), inputs cast to the spec's dtypes.
+
+    Cached per spec (an example builds one spec for several properties, on the driver and in the
+    job); each call returns its own tensors, so a caller may modify them.
+    """
+    problem = _build(spec)
+    return replace(
+        problem,
+        **{
+            f.name: value.clone()
+            for f in fields(problem)
+            if isinstance(value := getattr(problem, f.name), torch.Tensor)
+        },
+    )
+
+
+@lru_cache(maxsize=64)
+def _untransformed(spec: CaseSpec) -> tuple[Draws, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draws, targets and the regime's float64 hidden and weight, shared by a spec's transforms
+    (``_offset_column`` alone reads the transform: pass ``unshift`` or ``none``). Read only."""
     d = draw(spec)
     targets = _targets(spec, d)
-    hidden, weight = _logit_regime(spec, d, targets)
+    return d, targets, *_logit_regime(spec, d, targets)
+
+
+@lru_cache(maxsize=64)
+def _build(spec: CaseSpec) -> Problem:
+    """`build` without the copy: its tensors are the cache's, never modified in place."""
+    base = spec.with_(transform="unshift" if spec.transform == "unshift" else "none")
+    d, targets, hidden, weight = _untransformed(base)
     if spec.transform == "retarget":
         targets = d.retargets.clone()  # after the regime: peaked rows keep their hidden
     ignored = _ignored(spec, d.ignore_choice)

@@ -19,6 +19,7 @@ from verify.cases.build import Problem, build
 from verify.cases.rank_inputs import RankInputs, rank_inputs, upstream_view
 from verify.cases.spec import CaseSpec
 from verify.execution.interface import Adapter, Call
+from verify.running import stage_timing
 
 CASE_JOB = "verify.execution.execute:case_job"
 
@@ -55,17 +56,24 @@ def case_job(payload: dict[str, Any], rank: Rank) -> dict[str, Any]:
 
 
 def run_payload(payload: dict[str, Any], rank: Rank, adapter: Adapter) -> dict[str, Any]:
-    """`execute` on a job payload: ``{"spec": CaseSpec JSON, "mutant": name or None, ...}``."""
+    """`execute` on a job payload: ``{"spec": CaseSpec JSON, "mutant": name or None, ...}``.
+
+    The result's ``"timing"`` is the job's `stage_timing` split (build, transfer, kernel, compile).
+    """
     spec = CaseSpec.from_json(payload["spec"])
     if spec.tp != rank.tp_size:
         raise ValueError(f"spec.tp={spec.tp} but the job runs on a TP group of {rank.tp_size}")
     mutant = payload.get("mutant")
-    if mutant is None:
-        return execute(spec, rank, adapter)
-    from verify.running.mutants import applied  # planted bugs patch lce: self-tests only
+    stage_timing.watch_triton_compiles()
+    with stage_timing.recording() as clock:
+        if mutant is None:
+            result = execute(spec, rank, adapter)
+        else:
+            from verify.running.mutants import applied  # planted bugs patch lce: self-tests only
 
-    with applied(mutant):
-        return execute(spec, rank, adapter)
+            with applied(mutant):
+                result = execute(spec, rank, adapter)
+    return {**result, "timing": clock.take()}
 
 
 def execute(spec: CaseSpec, rank: Rank, adapter: Adapter) -> dict[str, Any]:
@@ -76,9 +84,15 @@ def execute(spec: CaseSpec, rank: Rank, adapter: Adapter) -> dict[str, Any]:
     The problem is built on the CPU (the same numbers everywhere), then moved to ``rank.device``.
     An exception in ``adapter.refusals`` becomes ``status="raised"`` (the status property).
     """
-    problem = on_device(build(spec), torch.device(rank.device))
+    with stage_timing.stage("build"):
+        problem = build(spec)
+    with stage_timing.stage("transfer"):
+        problem = on_device(problem, torch.device(rank.device))
     try:
-        return _run(spec, rank_inputs(spec, problem, rank.tp_rank), problem, rank, adapter)
+        with stage_timing.stage("kernel"):
+            result = _run(spec, rank_inputs(spec, problem, rank.tp_rank), problem, rank, adapter)
+        with stage_timing.stage("transfer"):
+            return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
     except adapter.refusals as exc:
         return {"status": "raised", "error_type": type(exc).__name__, "error": str(exc)[:500]}
 
@@ -139,7 +153,7 @@ def _run(
             if name in result and result[name].dtype != torch.float64:
                 result[name] = result[name].float()
     result["dtypes"] = {k: str(v.dtype) for k, v in result.items() if isinstance(v, torch.Tensor)}
-    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
 
 
 def _grads(

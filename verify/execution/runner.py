@@ -12,6 +12,7 @@ from verify.execution import execute
 from verify.execution.interface import Adapter
 from verify.execution.outcome import KernelRun, assemble
 from verify.execution.selection import resolve
+from verify.running import stage_timing
 
 
 class NeedsPool(ValueError):
@@ -55,16 +56,20 @@ class Runner:
             self._cache.move_to_end(spec)
             return self._cache[spec]
         payload = execute.case_payload(spec, self.adapter.ref, self.mutant)
-        if self.pool is not None and needs_pool(spec.tp, self.pool.device):
-            if not self.adapter.ref:
-                raise ValueError(f"adapter {self.adapter.name!r} has no ref for the workers")
-            # Read at call time: tests swap in a job whose ranks die.
-            results = self.pool.run(execute.CASE_JOB, payload, tp=spec.tp)
-        elif spec.tp > 1:
+        on_pool = self.pool is not None and needs_pool(spec.tp, self.pool.device)
+        if on_pool and not self.adapter.ref:
+            raise ValueError(f"adapter {self.adapter.name!r} has no ref for the workers")
+        if not on_pool and spec.tp > 1:
             raise NeedsPool(f"spec.tp={spec.tp} needs Runner(pool=WorkerPool(...)); got no pool")
-        else:
-            local = execute.LocalRank(torch.device(self.adapter.device))
-            results = [execute.run_payload(payload, local, self.adapter)]
+        with stage_timing.stage("dispatch"):  # less the job's own stages, added below
+            if on_pool:
+                # Read at call time: tests swap in a job whose ranks die.
+                results = self.pool.run(execute.CASE_JOB, payload, tp=spec.tp)
+            else:
+                local = execute.LocalRank(torch.device(self.adapter.device))
+                results = [execute.run_payload(payload, local, self.adapter)]
+            if "timing" in results[0]:  # rank 0's stages (a test's job may send none)
+                stage_timing.current().add_taken(results[0]["timing"])
         self.runs += 1
         run = assemble(spec, results)
         self._cache[spec] = run

@@ -22,6 +22,7 @@ from verify.numerics.reference import (
     loss_upstream_grad,
     reference,
 )
+from verify.running import stage_timing
 
 
 @dataclass(frozen=True)
@@ -36,23 +37,25 @@ class Expected:
 @lru_cache(maxsize=64)
 def expected(spec: CaseSpec) -> Expected:
     """R and B of a valid ``spec`` (cached: many properties check the same spec)."""
-    problem = build(spec)
+    with stage_timing.stage("build"):
+        problem = build(spec)
     valid = problem.targets != IGNORE_INDEX
     # float64: dividing the fp32 upstream by the valid count in fp32 would round it (1/3).
     loss_upstream = loss_upstream_grad(valid, spec.reduction, problem.grad_loss.double())
     ref: dict[str, torch.Tensor] = {}
     base: dict[str, torch.Tensor] = {}
-    for fn, out in ((reference, ref), (baseline, base)):
+    for fn, out, name in ((reference, ref, "reference"), (baseline, base, "baseline")):
         args = (problem.hidden, problem.weight, problem.targets)
         kw = {"ignore_index": IGNORE_INDEX, "temperature": effective_temperature(spec)}
-        tokens = fn(
-            *args, grad_logprob=problem.grad_logprob, grad_entropy=problem.grad_entropy, **kw
-        )
-        loss_run = fn(*args, grad_logprob=loss_upstream, **kw)
-        out.update(_outputs(spec, problem, tokens, ""))
-        out["loss"] = tokens.loss(spec.reduction)
-        out.update(_outputs(spec, problem, loss_run, "loss_"))
-        del out["loss_logprobs"], out["loss_entropy"]
+        with stage_timing.stage(name):
+            tokens = fn(
+                *args, grad_logprob=problem.grad_logprob, grad_entropy=problem.grad_entropy, **kw
+            )
+            loss_run = fn(*args, grad_logprob=loss_upstream, **kw)
+            out.update(_outputs(spec, problem, tokens, ""))
+            out["loss"] = tokens.loss(spec.reduction)
+            out.update(_outputs(spec, problem, loss_run, "loss_"))
+            del out["loss_logprobs"], out["loss_entropy"]
     return Expected(ref, base, problem)
 
 

@@ -25,6 +25,7 @@ from verify.numerics.reference import IGNORE_INDEX, loss_upstream_grad
 from verify.numerics.tolerances import load
 from verify.properties.expected import expected
 from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
+from verify.running import stage_timing
 
 MEGATRON_JOB = "verify.properties.peers:megatron_job"
 
@@ -57,16 +58,17 @@ def torch_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
         return []
     if spec.fault != "none" or spec.transform != "none":
         return []
-    problem = build(spec)
-    hidden = problem.hidden.to(problem.weight.dtype).requires_grad_()
-    weight = problem.weight.clone().requires_grad_()
-    loss = F.linear_cross_entropy(
-        hidden, weight, problem.targets, reduction=spec.reduction, ignore_index=IGNORE_INDEX
-    )
-    peer = {"loss": loss.detach().reshape(-1) if spec.reduction == "none" else loss.detach()}
-    if spec.grads != "none" and spec.num_tokens:
-        grads = torch.autograd.grad(loss, (hidden, weight), problem.grad_loss)
-        peer["loss_grad_hidden"], peer["loss_grad_weight"] = grads
+    with stage_timing.stage("peer"):
+        problem = build(spec)
+        hidden = problem.hidden.to(problem.weight.dtype).requires_grad_()
+        weight = problem.weight.clone().requires_grad_()
+        loss = F.linear_cross_entropy(
+            hidden, weight, problem.targets, reduction=spec.reduction, ignore_index=IGNORE_INDEX
+        )
+        peer = {"loss": loss.detach().reshape(-1) if spec.reduction == "none" else loss.detach()}
+        if spec.grads != "none" and spec.num_tokens:
+            grads = torch.autograd.grad(loss, (hidden, weight), problem.grad_loss)
+            peer["loss_grad_hidden"], peer["loss_grad_weight"] = grads
     return _against_peer("torch_peer", spec, runner, peer)
 
 
@@ -76,7 +78,8 @@ def megatron_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
         return []
     if spec.tied or spec.fault != "none" or spec.transform != "none" or spec.num_tokens == 0:
         return []
-    results = runner.pool.run(MEGATRON_JOB, {"spec": spec.to_json()}, tp=spec.tp)
+    with stage_timing.stage("peer"):
+        results = runner.pool.run(MEGATRON_JOB, {"spec": spec.to_json()}, tp=spec.tp)
     peer = {"logprobs": results[0]["logprobs"]}
     if "loss_grad_hidden" in results[0]:
         peer["loss_grad_hidden"] = results[0]["loss_grad_hidden"]

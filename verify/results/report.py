@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from verify.results.artifacts import is_failure, json_number, verdict_record
+from verify.running.stage_timing import STAGES
 
 SCHEMA = "lce-campaign-report"
 SCHEMA_VERSION = 1
@@ -60,6 +61,8 @@ class Tally:
     failures: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
     slices: list[dict[str, Any]] = field(default_factory=list)
+    # (backend, kind) -> examples, compiles, wall and stage seconds; kind: "numerical" or "status"
+    timing: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     examples: int = 0
     known_examples: int = 0  # examples whose only failures are of known, reported classes
     _rng: random.Random = field(default_factory=lambda: random.Random(0))
@@ -82,6 +85,20 @@ class Tally:
             counts[2] += int(any(r.get("known") for r in records))
             for record in records:
                 self._add_ratio(prop, dtype, backend, tp, record)
+
+    def add_timing(self, backend: str, kind: str, taken: dict[str, Any], wall_s: float) -> None:
+        """One example's `verify.running.stage_timing` split (``taken``) and its wall time; the
+        wall time no stage claimed is counted as ``other``."""
+        row = self.timing.setdefault(
+            (backend, kind), {"examples": 0, "compiles": 0, "wall_s": 0.0, "seconds": {}}
+        )
+        row["examples"] += 1
+        row["compiles"] += taken["compiles"]
+        row["wall_s"] += wall_s
+        seconds = dict(taken["seconds"])
+        seconds["other"] = seconds.get("other", 0.0) + max(0.0, wall_s - sum(seconds.values()))
+        for name, value in seconds.items():
+            row["seconds"][name] = row["seconds"].get(name, 0.0) + value
 
     def add_failure(self, failure: dict[str, Any]) -> None:
         """A saved failure: property, backend, tp, dtype, output, ratio, artifact, shrunk, line."""
@@ -144,11 +161,25 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
         "known_examples": tally.known_examples,
         "passed": not tally.failures and not tally.errors and not meta.get("interrupted"),
         "slices": tally.slices,
+        "timing": [_timing_row(b, k, row) for (b, k), row in sorted(tally.timing.items())],
         "counts": counts,
         "examples_by_dtype": by_dtype,
         "worst": worst,
         "failures": tally.failures,
         "errors": tally.errors,
+    }
+
+
+def _timing_row(backend: str, kind: str, row: dict[str, Any]) -> dict[str, Any]:
+    wall = row["wall_s"]
+    return {
+        "backend": backend,
+        "kind": kind,
+        "examples": row["examples"],
+        "wall_s": round(wall, 3),
+        "examples_per_s": round(row["examples"] / wall, 3) if wall > 0 else None,
+        "compiles": row["compiles"],
+        "seconds": {name: round(row["seconds"].get(name, 0.0), 3) for name in STAGES},
     }
 
 
@@ -195,6 +226,10 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['known_examples']} example(s) with only known, reported failure classes",
         f"- device: {env.get('device', '?')}; {versions}",
         "",
+        "## Where the time went, per backend (seconds; ms per example)",
+        "",
+        *_timing_table(doc.get("timing", [])),
+        "",
         "## Examples (failing examples) per property and backend/TP",
         "",
         *_count_table(doc["counts"], "property"),
@@ -236,6 +271,19 @@ def _count_table(counts: list[dict[str, Any]], row_key: str) -> list[str]:
             n, f = cells.get((row, col), (0, 0))
             values.append(f"{n} (**{f}**)" if f else (str(n) if n else "-"))
         lines.append(_row([row, *values]))
+    return lines
+
+
+def _timing_table(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return ["(no examples ran)"]
+    header = ["backend (examples)", "examples/s", "compiles", *STAGES]
+    lines = [_row(header), _row(["---"] * len(header))]
+    for r in rows:
+        per_ms = 1000.0 / max(1, r["examples"])
+        stages = [f"{s:.1f} ({s * per_ms:.0f})" for s in (r["seconds"][n] for n in STAGES)]
+        name = f"{r['backend']} {r['kind']} ({r['examples']})"
+        lines.append(_row([name, str(r["examples_per_s"]), str(r["compiles"]), *stages]))
     return lines
 
 

@@ -31,6 +31,7 @@ from verify.distributed.errors import PoolError
 from verify.execution.runner import Runner
 from verify.properties.catalog import PROPERTIES
 from verify.results import artifacts, report
+from verify.running import compile_warmup, stage_timing
 from verify.running.engine import run_property, search_rounds, seeds
 from verify.running.mutants import MUTANTS
 from verify.running.profiles import profile_settings
@@ -185,6 +186,9 @@ def run_campaign(
     deadline = began + config.budget_s
     slices = [(b, tp) for b in config.backends for tp in config.tp_sizes]
     exhausted, interrupted, search = False, None, None
+    warmup = None
+    if config.on_gpu and "triton" in config.backends:
+        warmup = compile_warmup.start(config.dtype_pairs)
     with stop_signals() as received:
         try:
             for index, (backend, tp) in enumerate(slices):
@@ -213,6 +217,8 @@ def run_campaign(
                 saved.extend(search.artifacts)
                 tally.slices.append(search.row())
         finally:
+            if warmup is not None:
+                compile_warmup.stop(warmup)
             if own_pool and pool is not None:
                 pool.close()
             progress.finish(interrupted)
@@ -273,6 +279,7 @@ class _Slice:
         # the campaign's budget (a found failure is worth more than later slices' examples).
         self.deadlines = (math.inf, math.inf)
         self.signatures: set[tuple] = set()  # (properties, dtype, outputs) of saved failures
+        self.example_began = 0.0  # perf_counter() at the end of the last example (its wall time)
         # The search's first failing example and its failing verdicts until they are saved
         # (shrunk): what an interrupted search still reports.
         self.unsaved: tuple[CaseSpec, list[Any], list[str]] | None = None
@@ -327,6 +334,8 @@ class _Slice:
         """One Hypothesis search; its shrunk failure (or minimal raising case) is saved.
         Returns whether it found a failure."""
         self.failed, self.current, self.unsaved = False, None, None
+        stage_timing.current().take()  # what ran before this search is no example's
+        self.example_began = time.perf_counter()
         saved = len(self.artifacts)
         try:
             result = run_property(
@@ -360,6 +369,10 @@ class _Slice:
         if self.failed:  # shrinking re-runs are not new examples
             return
         self.examples += 1
+        now, taken = time.perf_counter(), stage_timing.current().take()
+        kind = "status" if self.names_now == ["status"] else "numerical"
+        self.tally.add_timing(self.backend, kind, taken, now - self.example_began)
+        self.example_began = now
         self.tally.add_example(spec.dtype_key, spec.backend, spec.tp, verdicts)
         self.progress.example()
         failing = [v for v in verdicts if v.failed]

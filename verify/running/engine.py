@@ -21,6 +21,7 @@ from verify.cases.strategies import case_specs
 from verify.execution.runner import Runner
 from verify.properties.catalog import PROPERTIES, get
 from verify.properties.verdict import PropertyVerdict
+from verify.running import stage_timing
 from verify.running.profiles import profile_settings
 
 T = TypeVar("T")
@@ -58,7 +59,8 @@ def check_case(
     names = list(PROPERTIES) if properties is None else list(properties)
     verdicts: list[PropertyVerdict] = []
     for name in names:
-        verdicts.extend(get(name).check(spec, runner))
+        with stage_timing.stage("compare"):  # less the stages nested in the check
+            verdicts.extend(get(name).check(spec, runner))
     return verdicts
 
 

@@ -1,0 +1,73 @@
+"""Where an example's time goes (issue 23): the stage clock, the job's split, the report's table,
+and the build cache that the split showed was worth having."""
+
+from __future__ import annotations
+
+import torch
+
+from verify.cases.build import build
+from verify.cases.spec import CaseSpec
+from verify.execution.runner import Runner
+from verify.results import report
+from verify.running import stage_timing
+from verify.running.stage_timing import STAGES, StageClock
+
+
+def test_nested_stages_are_exclusive_and_add_up_to_the_wall_time():
+    now = [0.0]
+    clock = StageClock(timer=lambda: now[0])
+    with clock.stage("compare"):
+        now[0] += 2.0
+        with clock.stage("dispatch"):
+            now[0] += 3.0
+            clock.add({"kernel": 1.0}, compiles=2)  # measured by a worker inside the dispatch
+        now[0] += 1.0
+    taken = clock.take()
+    seconds = taken["seconds"]
+    assert seconds == {"compare": 3.0, "dispatch": 2.0, "kernel": 1.0}  # 3 s less the worker's
+    assert sum(seconds.values()) == now[0]  # no stage counted twice
+    assert taken["compiles"] == 2
+    assert clock.take() == {"seconds": {}, "compiles": 0}
+
+
+def test_a_runs_stages_reach_the_driver_clock_through_the_runner():
+    spec = CaseSpec(tokens=4, hidden_size=8, vocab=5, upstream="random")
+    with stage_timing.recording() as clock:
+        run = Runner().run(spec)
+    assert run.status == "ok"
+    seconds = clock.take()["seconds"]
+    assert {"build", "kernel", "transfer", "dispatch"} <= set(seconds)
+    assert seconds["kernel"] > 0 and seconds["build"] > 0
+
+
+def test_report_splits_each_backends_wall_time_into_stages():
+    tally = report.Tally()
+    taken = {"seconds": {"kernel": 0.5, "reference": 0.25}, "compiles": 3}
+    tally.add_timing("triton", "numerical", taken, wall_s=1.0)
+    tally.add_timing("triton", "numerical", {"seconds": {"kernel": 0.5}, "compiles": 0}, 1.0)
+    doc = report.to_json(tally, {"wall_s": 2.0})
+    (row,) = doc["timing"]
+    assert (row["backend"], row["kind"], row["examples"], row["compiles"]) == (
+        "triton", "numerical", 2, 3,
+    )  # fmt: skip
+    assert row["examples_per_s"] == 1.0
+    assert row["seconds"]["kernel"] == 1.0
+    assert row["seconds"]["other"] == 0.75  # the wall time no stage claimed
+    assert list(row["seconds"]) == list(STAGES)
+    table = "\n".join(report._timing_table(doc["timing"]))
+    assert "triton numerical (2)" in table and "1.0 (500)" in table  # kernel: 1 s, 500 ms each
+
+
+def test_build_is_cached_but_every_call_gets_its_own_tensors():
+    spec = CaseSpec(tokens=6, hidden_size=8, vocab=7, regime="peaked", upstream="random")
+    first = build(spec)
+    expected_hidden = first.hidden.clone()
+    first.hidden.zero_()  # a caller may modify what it got
+    first.grad_logprob.fill_(7.0)
+    second = build(spec)
+    assert torch.equal(second.hidden, expected_hidden)
+    assert not torch.equal(second.grad_logprob, first.grad_logprob)
+    # A transform shares the untransformed draws and regime but not the result.
+    permuted = build(spec.with_(transform="vocab_permute"))
+    assert permuted.weight.shape == second.weight.shape
+    assert not torch.equal(permuted.weight, second.weight)

@@ -8,6 +8,7 @@ import torch
 from verify.cases.build import build
 from verify.cases.spec import CaseSpec
 from verify.execution.runner import Runner
+from verify.properties import expected as expected_module
 from verify.results import report
 from verify.running import stage_timing
 from verify.running.stage_timing import STAGES, StageClock
@@ -71,3 +72,18 @@ def test_build_is_cached_but_every_call_gets_its_own_tensors():
     permuted = build(spec.with_(transform="vocab_permute"))
     assert permuted.weight.shape == second.weight.shape
     assert not torch.equal(permuted.weight, second.weight)
+
+
+def test_r_and_b_computed_ahead_in_a_thread_are_the_ones_computed_inline():
+    spec = CaseSpec(tokens=5, hidden_size=8, vocab=9, regime="peaked", upstream="random", seed=11)
+    expected_module._expected.cache_clear()
+    expected_module.compute_ahead(spec)
+    ahead = expected_module.expected(spec)
+    assert not expected_module._ahead  # read once, then the cache serves it
+    expected_module._expected.cache_clear()
+    inline = expected_module.expected(spec)
+    assert ahead is not inline
+    for name in inline.ref:
+        assert torch.equal(ahead.ref[name], inline.ref[name]), name
+        assert torch.equal(ahead.base[name], inline.base[name]), name
+    assert not Runner().offloads(spec)  # in this process: nothing to overlap with

@@ -51,6 +51,10 @@ class Runner:
             return (1,)
         return tuple(sorted({1, *self.pool.tp_sizes}))
 
+    def offloads(self, spec: CaseSpec) -> bool:
+        """Whether ``spec`` runs on a GPU worker, leaving this process's CPU idle meanwhile."""
+        return self.pool is not None and self.pool.device == "cuda" and needs_pool(spec.tp, "cuda")
+
     def run(self, spec: CaseSpec, *, fresh: bool = False) -> KernelRun:
         if not fresh and spec in self._cache:
             self._cache.move_to_end(spec)

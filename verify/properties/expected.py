@@ -2,11 +2,13 @@
 
 `expected(spec)` materializes R and B on the spec's global problem, flattened like
 `verify.execution.outcome.assemble` flattens what the ranks gave, so every property compares like
-with like.
+with like. `compute_ahead(spec)` starts that in a background thread while the spec's kernel runs
+on a GPU worker (the two then overlap; R's bits are the same in any thread).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -34,9 +36,24 @@ class Expected:
     problem: Problem
 
 
-@lru_cache(maxsize=64)
+_BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lce-expected")
+_ahead: dict[CaseSpec, Future[Expected]] = {}  # the latest `compute_ahead`, until it is read
+
+
 def expected(spec: CaseSpec) -> Expected:
     """R and B of a valid ``spec`` (cached: many properties check the same spec)."""
+    ahead = _ahead.pop(spec, None)
+    return ahead.result() if ahead is not None else _expected(spec)
+
+
+def compute_ahead(spec: CaseSpec) -> None:
+    """Start `expected` of a valid ``spec`` in the background (one spec at a time: the last)."""
+    _ahead.clear()
+    _ahead[spec] = _BACKGROUND.submit(_expected, spec)
+
+
+@lru_cache(maxsize=64)
+def _expected(spec: CaseSpec) -> Expected:
     with stage_timing.stage("build"):
         problem = build(spec)
     valid = problem.targets != IGNORE_INDEX

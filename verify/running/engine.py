@@ -20,6 +20,7 @@ from verify.cases.spec import CaseSpec
 from verify.cases.strategies import case_specs
 from verify.execution.runner import Runner
 from verify.properties.catalog import PROPERTIES, get
+from verify.properties.expected import compute_ahead
 from verify.properties.verdict import PropertyVerdict
 from verify.running import stage_timing
 from verify.running.profiles import profile_settings
@@ -57,6 +58,8 @@ def check_case(
         spec = spec.with_(backend=backend)
     runner = runner or Runner()
     names = list(PROPERTIES) if properties is None else list(properties)
+    if spec.fault == "none" and runner.offloads(spec):
+        compute_ahead(spec)  # R and B on this CPU while the GPU worker runs the kernel
     verdicts: list[PropertyVerdict] = []
     for name in names:
         with stage_timing.stage("compare"):  # less the stages nested in the check

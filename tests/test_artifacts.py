@@ -55,7 +55,7 @@ def test_record_holds_everything_a_replay_needs(tmp_path):
     assert rec["versions"]["torch"] and rec["device"].startswith("cpu")
     tol = rec["tolerances"]
     assert tol["dtype"] == "bf16" and set(tol["entries"]) == {"grad_weight"}
-    assert set(tol["entries"]["grad_weight"]) == {"alpha", "floor", "atol", "rtol"}
+    assert set(tol["entries"]["grad_weight"]) == {"alpha", "floor", "atol", "rtol", "zeps"}
     assert len(tol["sha256"]) == 64
     assert rec["replay"] == f"python -m verify replay {path}"
     (verdict,) = loaded.verdicts

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,9 +82,12 @@ def test_a_stopped_campaign_writes_its_report_so_far(sig, tmp_path):
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
-    assert "examples" in process.stderr.readline()  # the first slice started
-    time.sleep(4)  # mid-campaign: examples ran, more to come
-    process.send_signal(sig)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # progress lines (every 10 s): wait for examples to run
+        found = re.search(r"(\d+) examples", process.stderr.readline())
+        if found and int(found.group(1)) > 0:
+            break
+    process.send_signal(sig)  # mid-campaign: examples ran, more to come
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == EXIT_SIGNAL + sig.value, stdout + stderr
     name = sig.name

@@ -69,7 +69,7 @@ def test_an_unknown_mutant_is_a_usage_error_not_a_finding(tmp_path, capsys):
     [
         (
             "schema: 1\ndtypes:\n  fp32: {}\n",
-            "dtypes.fp32.logprobs is missing; add ('alpha', 'floor', 'atol', 'rtol')",
+            "dtypes.fp32.logprobs is missing; add ('alpha', 'floor', 'atol', 'rtol', 'zeps')",
         ),
         ("schema: 2\n", "schema must be 1, got 2"),
         ("dtypes: [\n", "not valid YAML at line 2"),

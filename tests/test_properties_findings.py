@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 import lce
 from verify.cases.spec import CaseSpec
-from verify.properties.known import ratio_tier_noise
 from verify.running.engine import check_case
 
 
@@ -52,6 +49,26 @@ def test_peaked_row_grad_weight_within_fp32_envelope() -> None:
     assert not failed, "\n".join(failed)
 
 
+def test_tied_untied_fp64_bound_follows_the_summation() -> None:
+    # A false alarm on clean code, reached by campaigns of ~2,800 tied_untied examples: fp64, all
+    # logits <= -100; the tied and untied runs sum the same terms in other orders and the sums
+    # cancel, so grad_weight differed by 9.7e-13 against a fixed 8 ulps of ||result|| (2.4e-13).
+    # The bound now grows with the summed absolute terms (and is still tiny: a tied gradient off
+    # by 1e-10 of its size would fail).
+    from verify.properties.expected import expected
+
+    spec = CaseSpec(
+        tokens=6, hidden_size=8, vocab=17, hidden_dtype="fp64", weight_dtype="fp64",
+        layout="transposed", regime="negative", tied=True, seed=0,
+    )  # fmt: skip
+    verdicts = check_case(spec, properties=["tied_untied"])
+    assert [v.output for v in verdicts] == ["grad_weight", "loss_grad_weight"]
+    assert all(v.passed for v in verdicts), [v.line() for v in verdicts]
+    ref = expected(spec).ref
+    for verdict in verdicts:
+        assert verdict.measured > 0 and verdict.allowed < 1e-10 * float(ref[verdict.output].norm())
+
+
 @pytest.fixture(scope="module")
 def pool():
     from verify.distributed import WorkerPool
@@ -87,19 +104,38 @@ def test_confident_rows_as_precise_as_stock_path(pool, backend) -> None:
     assert not failed, "\n".join(failed)
 
 
-@pytest.mark.parametrize(
-    ("backend", "reduce_hidden", "tp", "output", "known_class"),
-    [
-        ("triton", False, 2, "grad_hidden", "ratio-floor"),  # partials rounded before the sum
-        ("triton", True, 2, "grad_hidden", ""),  # reduced in fp32, rounded once: tier 1 binds
-        ("triton", False, 1, "grad_hidden", ""),  # nothing partial at TP=1
-        ("triton", False, 2, "grad_weight", ""),  # grad_weight is never partial
-    ],
-)
-def test_ratio_floor_class_for_partial_low_precision_grad_hidden(
-    backend, reduce_hidden, tp, output, known_class
-) -> None:
-    spec = SimpleNamespace(backend=backend, dtype_key="bf16", reduce_hidden=reduce_hidden, tp=tp)
-    verdict = SimpleNamespace(output=output)
-    assert ratio_tier_noise(verdict, True, spec) == known_class
-    assert ratio_tier_noise(verdict, False, spec) == ""  # the envelope still binds
+# Cases the removed "known class" mechanism excused (counted, not failed): each now passes both
+# tiers under tolerances derived from the logits' own rounding (tolerances.yaml, zeps).
+FORMERLY_EXCUSED = [
+    # ratio-floor, 2.62x: fp32 grad_hidden whose B (same precision) rounded luckily.
+    CaseSpec(
+        backend="triton", batch=1, grads="hidden", hidden_size=2, ignore="chunk", layout="sliced",
+        offset=-10.0, reduction="mean", regime="offset", scale=0.3, seed=14835, target="edges",
+        temperature=0.7, tied=True, tokens=21, upstream="strided", vocab=2,
+    ),
+    # ratio-floor, 4.65x on the entropy, inf on log-probs: B exact where R is ~0 (|z| ~ 150).
+    CaseSpec(
+        batch=1, chunk_size=2, grads="weight", hidden_size=33, ignore="first",
+        layout="transposed", offset=10.0, reduction="sum", regime="offset", scale=10.0, seed=4,
+        target="repeated", tied=True, tokens=4, upstream="scalar", vocab=2,
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", FORMERLY_EXCUSED, ids=["ratio-floor-grad", "ratio-floor-peaked"])
+def test_formerly_excused_cases_pass_derived_tolerances(spec) -> None:
+    verdicts = check_case(spec, properties=["differential"])
+    failed = [v.line() for v in verdicts if not v.passed]
+    assert verdicts and not failed, "\n".join(failed)
+    assert all("known" not in v.to_json() for v in verdicts)  # no verdict is excused any more
+
+
+@pytest.mark.xfail(strict=True, reason="open lce finding: tied fused-loss grad_weight, p_y ~ 1")
+def test_tied_confident_row_loss_grad_weight_as_precise_as_stock_path() -> None:
+    # Excused as ratio-floor until the class was removed: fp32, tied, one valid token whose
+    # target leads by ~52 (p_y = 1 - 9e-24); the torch backend's loss_grad_weight is off by
+    # 1.6e-23 (about twice R's 8.8e-24, 33514x the ratio tier), the stock path by 1.6e-28; the
+    # untied case passes.
+    spec = FORMERLY_EXCUSED[1].with_(seed=2, tokens=2, chunk_size=4)
+    failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
+    assert not failed, "\n".join(failed)

@@ -76,7 +76,6 @@ class PropertyOutcome:
     property: str
     examples: int = 0
     seconds: float = 0.0
-    known: int = 0
     worst_ratio: dict[str, float] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
 
@@ -87,7 +86,6 @@ class PropertyOutcome:
     def merge(self, result: SearchResult) -> None:
         """Add one batch's tally and failures."""
         self.examples += result.examples
-        self.known += result.known
         failures = [result.failure, *result.other_failures] if result.failure else []
         self.failures += [Failure(verdicts) for verdicts in failures]
         for key, ratio in result.worst_ratio.items():

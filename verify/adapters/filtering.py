@@ -50,7 +50,7 @@ def coerce(adapter: Adapter, spec: CaseSpec) -> CaseSpec:
     if (spec.hidden_dtype, spec.weight_dtype) not in caps.dtype_pairs:
         changes["hidden_dtype"], changes["weight_dtype"] = caps.dtype_pairs[0]
     if not caps.ignore_index:
-        changes["ignore"] = "none"
+        changes["ignore"], changes["ignore_index"] = "none", -100
     if not caps.temperature:
         changes["temperature"] = 1.0
     if not caps.batched:

@@ -40,10 +40,11 @@ class Problem:
     hidden_base: torch.Tensor | None
     embed_ids: torch.Tensor | None
     offset_feature: bool  # column 0 of hidden is the constant 1 that carries the common offset
+    ignore_index: int = IGNORE_INDEX
 
     @property
     def valid(self) -> torch.Tensor:
-        return self.targets != IGNORE_INDEX
+        return self.targets != self.ignore_index
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,9 @@ def _build(spec: CaseSpec) -> Problem:
     """`build` without the copy: its tensors are the cache's, never modified in place."""
     base = spec.with_(transform="unshift" if spec.transform == "unshift" else "none")
     d, targets, hidden, weight = _untransformed(base)
-    if spec.transform == "retarget":
-        targets = d.retargets.clone()  # after the regime: peaked rows keep their hidden
+    pad = spec.ignore_index
+    if spec.transform == "retarget":  # after the regime: peaked rows keep their hidden
+        targets = _retargets(spec, d.retargets, targets)
     ignored = _ignored(spec, d.ignore_choice)
     if spec.transform == "perturb_ignored":
         hidden = torch.where(ignored[:, None], d.perturbed * 3.0, hidden)
@@ -126,7 +128,9 @@ def _build(spec: CaseSpec) -> Problem:
     if spec.transform == "vocab_permute":
         inverse = torch.argsort(d.permutation)  # new position of each old row
         weight, targets, embed_ids = weight[d.permutation], inverse[targets], inverse[embed_ids]
-    targets = torch.where(ignored, IGNORE_INDEX, targets)
+        if 0 <= pad < spec.vocab:  # the pad row moved too: it is the same token, renamed
+            pad = int(inverse[pad])
+    targets = torch.where(ignored, pad, targets)
     hidden_c = hidden.to(DTYPES[spec.hidden_dtype])
     weight_c = weight.to(DTYPES[spec.weight_dtype])
     hidden_base = None
@@ -137,7 +141,18 @@ def _build(spec: CaseSpec) -> Problem:
     return Problem(
         hidden_c, weight_c, targets, grad_logprob, grad_entropy, grad_loss,
         hidden_base, embed_ids if spec.tied else None, spec.regime in ("offset", "negative"),
+        pad,
     )  # fmt: skip
+
+
+def _retargets(spec: CaseSpec, drawn: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Other targets for the same rows: with a pad id inside the vocabulary, the rows whose target
+    was the pad stay ignored and no other row draws it (the ignored set must not change)."""
+    pad = spec.ignore_index
+    if not 0 <= pad < spec.vocab:
+        return drawn.clone()
+    other = torch.where(drawn == pad, (pad + 1) % spec.vocab, drawn)
+    return torch.where(targets == pad, pad, other)
 
 
 def tied_hidden(

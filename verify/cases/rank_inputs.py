@@ -78,7 +78,7 @@ def rank_inputs(spec: CaseSpec, problem: Problem, tp_rank: int) -> RankInputs:
     if spec.fault == "target_ge_vocab":
         targets[-1] = spec.vocab
     elif spec.fault == "target_negative":
-        targets[0] = -1  # negative, and not IGNORE_INDEX
+        targets[0] = -2 if problem.ignore_index == -1 else -1  # negative, not the ignore_index
     elif spec.fault == "temperature_zero":
         temperature = 0.0
     elif spec.fault == "temperature_nan":
@@ -92,8 +92,9 @@ def rank_inputs(spec: CaseSpec, problem: Problem, tp_rank: int) -> RankInputs:
     weight.requires_grad_(spec.grads in _WEIGHT_GRADS)
     embed_ids = problem.embed_ids if tied else None
     return RankInputs(
-        hidden, weight, targets, temperature, explicit_vocab_start(spec, tp_rank), embed_ids
-    )
+        hidden, weight, targets, temperature, explicit_vocab_start(spec, tp_rank), embed_ids,
+        problem.ignore_index,
+    )  # fmt: skip
 
 
 def effective_temperature(spec: CaseSpec) -> float:

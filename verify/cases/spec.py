@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from verify.numerics.reference import IGNORE_INDEX
 from verify.numerics.tolerances import dtype_key
 
 DTYPES: dict[str, torch.dtype] = {
@@ -71,6 +72,11 @@ TRANSFORMS = (
 LINEARITY_A = -0.75
 
 
+# Fields added after specs were first saved, with their defaults (omitted from `CaseSpec.to_json`
+# at them).
+WRITTEN_WHEN_SET: dict[str, Any] = {"shards": None, "ignore_index": IGNORE_INDEX}
+
+
 class SpecError(ValueError):
     """A spec field is out of its domain; the message names the field and the allowed values."""
 
@@ -83,6 +89,8 @@ class CaseSpec:
     (uneven when ``vocab % tp``; see `shard_bounds`); ``reduce_hidden=False`` leaves each
     rank's grad_hidden partial (sequence parallel). ``chunk_size`` is the torch backend's
     tokens per chunk (None: its default). ``seed`` seeds the one generator all tensors come from.
+    ``ignore_index`` is the id that marks ignored targets: -100, or others real code passes (0,
+    -1, a pad id inside the vocabulary, where a drawn target equal to it is ignored too).
     """
 
     tokens: int = 4
@@ -110,6 +118,7 @@ class CaseSpec:
     fault: str = "none"
     transform: str = "none"
     shards: tuple[int, ...] | None = None
+    ignore_index: int = IGNORE_INDEX
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -175,11 +184,13 @@ class CaseSpec:
     def to_json(self) -> str:
         """One JSON line (keys sorted) that `from_json` turns back into an equal spec.
 
-        ``shards`` is written only when set: specs saved before it existed keep their JSON (and
-        the artifact names and fingerprints computed from it)."""
+        Fields added later (`WRITTEN_WHEN_SET`) are written only when not at their default: specs
+        saved before they existed keep their JSON (and the artifact names and fingerprints
+        computed from it)."""
         data = asdict(self)
-        if data["shards"] is None:
-            del data["shards"]
+        for name, default in WRITTEN_WHEN_SET.items():
+            if data[name] == default:
+                del data[name]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @classmethod

@@ -19,6 +19,7 @@ from verify.cases.spec import (
     UPSTREAMS,
     CaseSpec,
 )
+from verify.numerics.reference import IGNORE_INDEX
 from verify.numerics.tolerances import dtype_key
 
 # Largest |logit| each dtype key is generated with. The envelope tier of tolerances.yaml is
@@ -63,6 +64,13 @@ def chunk_sizes() -> st.SearchStrategy[int | None]:
     return st.one_of(st.none(), st.integers(1, 8))
 
 
+def ignore_indices(vocab: int) -> st.SearchStrategy[int]:
+    """The id marking ignored targets: -100 first (torch's default), then what real code passes:
+    0, -1, and a pad id inside the vocabulary (the last id; 0 is one too), where drawn targets
+    equal to it are ignored as well."""
+    return st.sampled_from(list(dict.fromkeys([IGNORE_INDEX, 0, -1, vocab - 1])))
+
+
 def seeds() -> st.SearchStrategy[int]:
     return st.integers(0, 2**16)
 
@@ -104,10 +112,11 @@ def case_specs(
     hidden_dtype, weight_dtype = draw(dtype_pairs(pairs))
     regime, scale, offset = draw(logit_regimes(dtype_key(hidden_dtype, weight_dtype)))
     hidden_size = draw(hidden_sizes().filter(lambda h: h >= 2 or regime == "normal"))
+    vocab = draw(vocab_sizes(min_vocab=tp))
     return CaseSpec(
         tokens=draw(token_counts(max_tokens)),
         hidden_size=hidden_size,
-        vocab=draw(vocab_sizes(min_vocab=tp)),
+        vocab=vocab,
         batch=draw(batch_sizes()),
         tp=tp,
         hidden_dtype=hidden_dtype,
@@ -127,6 +136,7 @@ def case_specs(
         chunk_size=draw(chunk_sizes()),
         backend=backend,
         seed=draw(seeds()),
+        ignore_index=draw(ignore_indices(vocab)),
     )
 
 
@@ -153,6 +163,34 @@ def landmark_specs(
         specs.append(base.with_(tp=tp, vocab=4 * tp + 1, target="edges", ignore="first"))
         specs.append(base.with_(tp=tp, vocab=8 * tp, target="high", reduce_hidden=False))
     return [spec.with_(backend=b) for b in backends for spec in specs]
+
+
+LOW_PRECISION = (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
+NON_UNIFORM = ("random", "strided", "zero_row0", "logprob_only")  # upstreams that vary per row
+
+
+def campaign_specs(
+    *,
+    backends: tuple[str, ...] = ("torch",),
+    tp_sizes: tuple[int, ...] = (1,),
+    pairs: tuple[tuple[str, str], ...] = DTYPE_PAIRS,
+) -> st.SearchStrategy[CaseSpec]:
+    """`case_specs`, half of the time in the precision regimes that expose a second rounding:
+    a dtype below fp32 on peaked rows (a log-prob of ~0 from logits of ~|z|), an upstream that
+    varies per row, many chunks (the torch backend sums each chunk's partial gradient). They come
+    first (a one_of's first branch is where generation starts and shrinking goes), so a
+    campaign meets them in its first examples instead of after hundreds."""
+    general = case_specs(backends=backends, tp_sizes=tp_sizes, pairs=pairs)
+    low = tuple(p for p in pairs if p in LOW_PRECISION)
+    if not low:
+        return general
+    precise = case_specs(backends=backends, tp_sizes=tp_sizes, pairs=low).map(_second_rounding)
+    return st.one_of(precise, general)
+
+
+def _second_rounding(spec: CaseSpec) -> CaseSpec:
+    upstream = spec.upstream if spec.upstream in NON_UNIFORM else "random"
+    return spec.with_(regime="peaked", upstream=upstream, chunk_size=spec.chunk_size or 1)
 
 
 @st.composite

@@ -101,9 +101,15 @@ def compare(
     base: torch.Tensor | None,
     tol: Tolerance,
     runs: int = 1,
+    logit_scale: torch.Tensor | None = None,
 ) -> Verdict:
     """Check ``kernel`` against ``ref`` (float64) under ``tol``; ``base`` is B's value or None
     (then tier 1 is not checked).
+
+    ``logit_scale`` (same shape as ``ref``): what each element's error is made of when the logits
+    carry their dtype's rounding (``|dz| <= u |z|``), e.g. ``max|z|`` of a token's row for its
+    log-prob. ``tol.zeps`` times it joins both tiers: a correct implementation rounds its logits
+    like that whatever B's luck (tier 1) and however small R is (tier 2).
 
     ``runs`` = 2 when ``ref`` is itself a rounded result (two kernel runs that must agree): each
     run may be off by its own bound, so the floor and the envelope count twice and ``base - ref``
@@ -120,15 +126,22 @@ def compare(
         return Verdict(output, (Tier("ratio", 0.0, 0.0),), "no finite elements")
     err = (k - r).abs()
     scale = r.abs().max().item()
+    z = torch.zeros_like(r)
+    if logit_scale is not None:
+        z = tol.zeps * logit_scale.detach().to(torch.float64).reshape(-1)[finite]
     tiers: list[Tier] = []
     if base is not None:
         b = base.detach().to(torch.float64).reshape(-1)[finite]
         base_err = (b - r).abs()
         floor = runs * tol.floor * scale
-        tiers.append(Tier("ratio", err.max().item(), tol.alpha * base_err.max().item() + floor))
-        tiers.append(Tier("ratio", err.mean().item(), tol.alpha * base_err.mean().item() + floor))
+        max_allowed = tol.alpha * base_err.max().item() + floor + runs * z.max().item()
+        mean_allowed = tol.alpha * base_err.mean().item() + floor + runs * z.mean().item()
+        tiers.append(Tier("ratio", err.max().item(), max_allowed))
+        tiers.append(Tier("ratio", err.mean().item(), mean_allowed))
     norm_allowed = runs * (
-        tol.atol * math.sqrt(r.numel()) + tol.rtol * torch.linalg.vector_norm(r).item()
+        tol.atol * math.sqrt(r.numel())
+        + tol.rtol * torch.linalg.vector_norm(r).item()
+        + torch.linalg.vector_norm(z).item()
     )
     tiers.append(Tier("envelope", torch.linalg.vector_norm(k - r).item(), norm_allowed))
     detail = ", ".join(f"{t.name}: {t.measured:.3g} <= {t.allowed:.3g}" for t in tiers)

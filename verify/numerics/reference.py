@@ -33,6 +33,9 @@ class Reference:
     valid: torch.Tensor  # bool [T]: target not ignored
     grad_hidden: torch.Tensor | None
     grad_weight: torch.Tensor | None
+    # (|d_logits| @ |W|, |d_logits|^T @ |h|) when asked for: the sums of the absolute terms of
+    # each gradient element, which bound the rounding of any order of summing them.
+    magnitudes: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def loss(self, reduction: str) -> torch.Tensor:
         """``-logprobs`` reduced like `lce.linear_cross_entropy` (mean over valid tokens)."""
@@ -61,11 +64,13 @@ def reference(
     temperature: float = 1.0,
     grad_logprob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
+    magnitudes: bool = False,
 ) -> Reference:
     """R: float64 outputs for ``hidden [T, H]``, the *global* ``weight [V, H]`` and ``targets [T]``.
 
     Gradients are computed when at least one upstream gradient ``[T]`` is given: those of
-    ``sum(g_lp * logprobs + g_ent * entropy)``, ``d_z = g_lp (onehot - p) - g_ent p (log p + H)``.
+    ``sum(g_lp * logprobs + g_ent * entropy)``, ``d_z = g_lp (onehot - p) - g_ent p (log p + H)``;
+    ``magnitudes`` adds their absolute-term sums (`Reference.magnitudes`).
     """
     h = hidden.detach().to(weight.dtype).to(torch.float64)
     w = weight.detach().to(torch.float64)
@@ -86,6 +91,10 @@ def reference(
         d_z = g_lp[:, None] * (onehot - p) - g_ent[:, None] * (p * (log_p + entropy[:, None]))
         d_logits = d_z / temperature
         grad_hidden, grad_weight = ordered_matmul(d_logits, w), ordered_matmul(d_logits.T, h)
+        if magnitudes:
+            size = d_logits.abs()
+            sums = (ordered_matmul(size, w.abs()), ordered_matmul(size.T, h.abs()))
+            return Reference(logprobs, entropy, valid, grad_hidden, grad_weight, sums)
     return Reference(logprobs, entropy, valid, grad_hidden, grad_weight)
 
 

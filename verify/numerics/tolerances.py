@@ -18,7 +18,7 @@ PACKAGED_PATH = Path(__file__).resolve().parents[1] / "tolerances.yaml"
 ENV_VAR = "LCE_TOLERANCES"  # a user's own file (`lce-verify --tolerances FILE` sets it)
 DTYPES = ("fp32", "bf16", "fp16", "fp32_bf16", "fp64")
 OUTPUTS = ("logprobs", "entropy", "loss", "grad_hidden", "grad_weight")
-FIELDS = ("alpha", "floor", "atol", "rtol")
+FIELDS = ("alpha", "floor", "atol", "rtol", "zeps")
 EXACT_FIELDS = ("ignored", "invariance_fp64")
 _SHORT = {
     torch.float32: "fp32",
@@ -34,12 +34,14 @@ class ToleranceFileError(ValueError):
 
 @dataclass(frozen=True)
 class Tolerance:
-    """One ``dtype x output`` entry: ratio tier (alpha, floor) and envelope tier (atol, rtol)."""
+    """One ``dtype x output`` entry: ratio tier (alpha, floor) and envelope tier (atol, rtol);
+    ``zeps`` weighs the rounding of the logits themselves (see `verify.numerics.compare`)."""
 
     alpha: float
     floor: float
     atol: float
     rtol: float
+    zeps: float
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from verify.cases.build import TIE_SCALE, Problem, build
 from verify.cases.rank_inputs import effective_temperature
 from verify.cases.spec import CaseSpec
 from verify.numerics.reference import (
-    IGNORE_INDEX,
     Reference,
     baseline,
     loss_upstream_grad,
@@ -56,14 +55,12 @@ def compute_ahead(spec: CaseSpec) -> None:
 def _expected(spec: CaseSpec) -> Expected:
     with stage_timing.stage("build"):
         problem = build(spec)
-    valid = problem.targets != IGNORE_INDEX
-    # float64: dividing the fp32 upstream by the valid count in fp32 would round it (1/3).
-    loss_upstream = loss_upstream_grad(valid, spec.reduction, problem.grad_loss.double())
+    loss_upstream = _loss_upstream(spec, problem)
     ref: dict[str, torch.Tensor] = {}
     base: dict[str, torch.Tensor] = {}
     for fn, out, name in ((reference, ref, "reference"), (baseline, base, "baseline")):
         args = (problem.hidden, problem.weight, problem.targets)
-        kw = {"ignore_index": IGNORE_INDEX, "temperature": effective_temperature(spec)}
+        kw = {"ignore_index": problem.ignore_index, "temperature": effective_temperature(spec)}
         with stage_timing.stage(name):
             tokens = fn(
                 *args, grad_logprob=problem.grad_logprob, grad_entropy=problem.grad_entropy, **kw
@@ -74,6 +71,78 @@ def _expected(spec: CaseSpec) -> Expected:
             out.update(_outputs(spec, problem, loss_run, "loss_"))
             del out["loss_logprobs"], out["loss_entropy"]
     return Expected(ref, base, problem)
+
+
+@lru_cache(maxsize=16)
+def gradient_magnitudes(spec: CaseSpec) -> dict[str, torch.Tensor]:
+    """Per gradient output of R (``grad_hidden``, ``loss_grad_weight``, ...), the float64 sum of
+    the absolute values of the terms each element sums (`Reference.magnitudes`): any order of
+    summing n of them in unit roundoff u is off by at most about n * u times this."""
+    problem = build(spec)
+    args = (problem.hidden, problem.weight, problem.targets)
+    kw = {"ignore_index": problem.ignore_index, "temperature": effective_temperature(spec)}
+    kw = {**kw, "magnitudes": True}
+    runs = {
+        "": reference(
+            *args, grad_logprob=problem.grad_logprob, grad_entropy=problem.grad_entropy, **kw
+        ),
+        "loss_": reference(*args, grad_logprob=_loss_upstream(spec, problem), **kw),
+    }
+    out = {}
+    for prefix, run in runs.items():
+        if run.magnitudes is not None:
+            out[prefix + "grad_hidden"], out[prefix + "grad_weight"] = run.magnitudes
+    return out
+
+
+@lru_cache(maxsize=64)
+def logit_scales(spec: CaseSpec) -> dict[str, torch.Tensor]:
+    """Per output of R, the scale of its error when every logit carries its dtype's rounding
+    (``|dz| <= u |z|``): `verify.numerics.compare`'s ``logit_scale`` (tolerances.yaml's ``zeps``
+    = 2u weighs it).
+
+    Log-probs: ``max|z|`` of the row (``dz_y - sum p dz``). Entropy: ``max|z| * (1 + sum p
+    |z - E z|)`` (H = lse - E z is a difference of two numbers of ~``max|z|``, each rounded, and
+    the logits' rounding moves H by ``sum p dz (z - E z)``). The loss: its reduction of the
+    log-probs' scales. Gradients: the largest ``max|z|`` (at least 1: each term is rounded once
+    more in the gradient's dtype, partials at TP > 1 before their sum) times the absolute-term
+    sums of `gradient_magnitudes` (``dp = p (dz - E dz)``)."""
+    problem = build(spec)
+    hidden = problem.hidden.to(problem.weight.dtype).to(torch.float64)
+    z = hidden @ problem.weight.to(torch.float64).T / effective_temperature(spec)
+    if z.shape[-1] == 0 or z.shape[0] == 0:
+        zmax = z.new_zeros(z.shape[0])
+        spread = zmax
+    else:
+        zmax = z.abs().amax(dim=-1)
+        p = torch.softmax(z, dim=-1)
+        spread = (p * (z - (p * z).sum(-1, keepdim=True)).abs()).sum(-1)
+    valid = problem.valid
+    logprobs = torch.where(valid, zmax, 0.0)
+    loss = {"none": logprobs, "sum": logprobs.sum()}.get(spec.reduction)
+    if loss is None:
+        loss = logprobs.sum() / valid.sum()
+    entropy = torch.where(valid, zmax * (1.0 + spread), 0.0)
+    out = {"logprobs": logprobs, "entropy": entropy, "loss": loss}
+    top = max(float(logprobs.max()) if logprobs.numel() else 0.0, 1.0)
+    sizes = gradient_magnitudes(spec)
+    for prefix in ("", "loss_"):
+        if prefix + "grad_hidden" not in sizes:
+            continue
+        hidden_size, weight_size = sizes[prefix + "grad_hidden"], sizes[prefix + "grad_weight"]
+        if spec.tied and spec.transform != "untie":
+            embed = torch.zeros_like(weight_size).index_add_(0, problem.embed_ids, hidden_size)
+            weight_size = weight_size + TIE_SCALE * embed
+        out[prefix + "grad_hidden"] = top * hidden_size
+        out[prefix + "grad_weight"] = top * weight_size
+    return out
+
+
+def _loss_upstream(spec: CaseSpec, problem: Problem) -> torch.Tensor:
+    """The upstream gradient on logprobs of the spec's loss."""
+    valid = problem.valid
+    # float64: dividing the fp32 upstream by the valid count in fp32 would round it (1/3).
+    return loss_upstream_grad(valid, spec.reduction, problem.grad_loss.double())
 
 
 def _outputs(spec: CaseSpec, problem: Problem, run: Reference, prefix: str) -> dict:

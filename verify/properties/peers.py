@@ -21,7 +21,7 @@ from verify.cases.rank_inputs import effective_temperature, vocab_range
 from verify.cases.spec import CaseSpec
 from verify.execution.outcome import TOLERANCE_OUTPUT
 from verify.execution.runner import Runner
-from verify.numerics.reference import IGNORE_INDEX, loss_upstream_grad
+from verify.numerics.reference import loss_upstream_grad
 from verify.numerics.tolerances import load
 from verify.properties.expected import expected
 from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
@@ -63,7 +63,11 @@ def torch_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
         hidden = problem.hidden.to(problem.weight.dtype).requires_grad_()
         weight = problem.weight.clone().requires_grad_()
         loss = F.linear_cross_entropy(
-            hidden, weight, problem.targets, reduction=spec.reduction, ignore_index=IGNORE_INDEX
+            hidden,
+            weight,
+            problem.targets,
+            reduction=spec.reduction,
+            ignore_index=problem.ignore_index,
         )
         peer = {"loss": loss.detach().reshape(-1) if spec.reduction == "none" else loss.detach()}
         if spec.grads != "none" and spec.num_tokens:
@@ -98,7 +102,7 @@ def megatron_job(payload: dict[str, Any], ctx: Any) -> dict[str, torch.Tensor]:
     weight = (
         problem.weight[start:stop].clone().requires_grad_(spec.grads in ("both", "weight", "twice"))
     )
-    valid = problem.targets != IGNORE_INDEX
+    valid = problem.valid
     targets = torch.where(valid, problem.targets, torch.zeros_like(problem.targets))
     group = {
         "get_tensor_model_parallel_group": lambda: ctx.tp_group,

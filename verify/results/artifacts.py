@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from verify.cases.spec import CaseSpec
+from verify.cases.spec import WRITTEN_WHEN_SET, CaseSpec
 from verify.numerics.tolerances import EXACT_FIELDS, FIELDS, OUTPUTS, Tolerances
 from verify.numerics.tolerances import load as load_tolerances
 
@@ -33,9 +33,9 @@ SCHEMA_VERSION = 1
 PACKAGES = ("torch", "triton", "hypothesis", "megatron-core", "numpy")
 REQUIRED = ("schema", "schema_version", "spec", "property", "backend", "tp", "verdicts")
 # CaseSpec fields added after artifacts were first written, with the behaviour older artifacts
-# had before the field existed; every other field must be recorded. (``shards`` at None is never
-# written, so that specs keep the JSON, names and fingerprints they had: `CaseSpec.to_json`.)
-ADDED_LATER: dict[str, Any] = {"reduce_hidden": True, "shards": None}
+# had before the field existed; every other field must be recorded. (Those `CaseSpec.to_json`
+# writes only when set are among them: specs keep the JSON, names and fingerprints they had.)
+ADDED_LATER: dict[str, Any] = {"reduce_hidden": True, **WRITTEN_WHEN_SET}
 
 
 class ArtifactError(ValueError):
@@ -148,8 +148,9 @@ def update_digest(digest: Any, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def is_failure(verdict: dict[str, Any]) -> bool:
-    """A recorded verdict that fails and is not of a known, already reported class."""
-    return not verdict.get("passed", True) and not verdict.get("known")
+    """A recorded verdict that fails (older artifacts' "known" classes fail too: none is
+    excused)."""
+    return not verdict.get("passed", True)
 
 
 def tolerance_entries(dtype_key: str, outputs: list[str], tolerances: Tolerances) -> dict:

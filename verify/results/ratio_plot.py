@@ -1,8 +1,8 @@
 """The report's picture: measured/allowed ratios per output x dtype, one panel per backend.
 
-Every dot is one check (at most a few hundred per row; orange: a failure of a known, reported
-class); the diamond is the worst; the red line at 1 is the tolerance. Zero errors sit at the left
-edge, failures (inf/NaN too) at the right.
+Every dot is one check (at most a few hundred per row; red: a failure); the diamond is the worst;
+the red line at 1 is the tolerance. Zero errors sit at the left edge, failures (inf/NaN too) at
+the right.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ CEILING = 1e3  # inf / NaN / huge ratios are drawn at the right edge
 def plot_ratios(
     ratios: dict[tuple[str, str, str], list[tuple[float, bool]]], path: Path, title: str
 ) -> None:
-    """Write a PNG of ``ratios[(output, dtype, backend)] = [(ratio, known), ...]`` to ``path``."""
+    """Write a PNG of ``ratios[(output, dtype, backend)] = [ratio, ...]`` to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,15 +33,14 @@ def plot_ratios(
     jitter = random.Random(0)
     for ax, backend in zip(axes[0], backends, strict=True):
         for y, (output, dtype) in enumerate(rows):
-            samples = [(_clip(r), known) for r, known in ratios.get((output, dtype, backend), [])]
-            if not samples:
+            values = [_clip(r) for r in ratios.get((output, dtype, backend), [])]
+            if not values:
                 continue
-            values = [v for v, _ in samples]
             ys = [y + jitter.uniform(-0.25, 0.25) for _ in values]
-            colors = [_color(v, known, "tab:blue") for v, known in samples]
+            colors = [_color(v, "tab:blue") for v in values]
             ax.scatter(values, ys, s=9, c=colors, alpha=0.35, linewidths=0)
-            worst = max(samples)
-            ax.scatter([worst[0]], [y], s=46, marker="D", c=_color(*worst, "black"))
+            worst = max(values)
+            ax.scatter([worst], [y], s=46, marker="D", c=_color(worst, "black"))
         ax.axvline(1.0, color="tab:red", linestyle="--", linewidth=1.2)
         ax.axvspan(1.0, CEILING * 2, color="tab:red", alpha=0.06)
         ax.set_xscale("log")
@@ -53,18 +52,15 @@ def plot_ratios(
     axes[0][0].set_yticklabels([f"{o}  {d}" for o, d in rows])
     axes[0][0].set_ylim(-0.6, len(rows) - 0.4)
     fig.suptitle(
-        f"{title}: error ratios (dots: checks, orange: known reported class, diamond: worst, "
-        "left edge: exact)"
+        f"{title}: error ratios (dots: checks, red: failures, diamond: worst, left edge: exact)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _color(ratio: float, known: bool, passing: str) -> str:
-    if ratio <= 1:
-        return passing
-    return "tab:orange" if known else "tab:red"
+def _color(ratio: float, passing: str) -> str:
+    return passing if ratio <= 1 else "tab:red"
 
 
 def _clip(ratio: float) -> float:

@@ -196,10 +196,9 @@ def summary_lines(result: ReplayResult, expect_pass: bool | None = None) -> list
         lines.append(f"  same failure as recorded: {same}")
     for verdict in first.verdicts:
         if not verdict["passed"]:
-            known = f" (known class: {verdict['known']})" if verdict.get("known") else ""
             measured, allowed = float(verdict["measured"]), float(verdict["allowed"])
             lines.append(
                 f"  {verdict['property']} {verdict['output']} [{verdict['tier']}]: measured "
-                f"{measured:.6g} vs allowed {allowed:.6g}{known}"
+                f"{measured:.6g} vs allowed {allowed:.6g}"
             )
     return lines

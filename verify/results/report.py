@@ -41,7 +41,7 @@ class Cell:
     """Worst verdict and a sample of ratios of one output x dtype x backend."""
 
     worst: dict[str, Any] | None = None
-    ratios: list[tuple[float, bool]] = field(default_factory=list)  # (ratio, known class)
+    ratios: list[float] = field(default_factory=list)
     seen: int = 0
 
 
@@ -49,9 +49,9 @@ class Cell:
 class Tally:
     """Everything the report needs, accumulated one example at a time (driver process only)."""
 
-    # (property, dtype, backend, tp) -> [examples, failing examples, examples with known failures]
+    # (property, dtype, backend, tp) -> [examples, failing examples]
     counts: dict[tuple[str, str, str, int], list[int]] = field(
-        default_factory=lambda: defaultdict(lambda: [0, 0, 0])
+        default_factory=lambda: defaultdict(lambda: [0, 0])
     )
     # (dtype, backend, tp) -> [examples, failing examples]
     by_dtype: dict[tuple[str, str, int], list[int]] = field(
@@ -64,7 +64,6 @@ class Tally:
     # (backend, kind) -> examples, compiles, wall and stage seconds; kind: "numerical" or "status"
     timing: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     examples: int = 0
-    known_examples: int = 0  # examples whose only failures are of known, reported classes
     _rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def add_example(self, dtype: str, backend: str, tp: int, verdicts: list[Any]) -> None:
@@ -72,7 +71,6 @@ class Tally:
         self.examples += 1
         records = [verdict_record(v) for v in verdicts]
         failed = any(is_failure(r) for r in records)
-        self.known_examples += int(any(r.get("known") for r in records) and not failed)
         self.by_dtype[(dtype, backend, tp)][0] += 1
         self.by_dtype[(dtype, backend, tp)][1] += int(failed)
         by_property: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -82,7 +80,6 @@ class Tally:
             counts = self.counts[(prop, dtype, backend, tp)]
             counts[0] += 1
             counts[1] += int(any(is_failure(r) for r in records))
-            counts[2] += int(any(r.get("known") for r in records))
             for record in records:
                 self._add_ratio(prop, dtype, backend, tp, record)
 
@@ -115,7 +112,7 @@ class Tally:
         ratio = float(record.get("ratio", 0.0))
         cell = self.cells[(output, dtype, backend)]
         cell.seen += 1
-        sample = (ratio, bool(record.get("known")))
+        sample = ratio
         if len(cell.ratios) < SAMPLES_PER_CELL:
             cell.ratios.append(sample)
         else:
@@ -132,15 +129,14 @@ class Tally:
                 "property": prop,
                 "tp": tp,
                 "detail": record.get("detail"),
-                "known": record.get("known") or "",
             }
 
 
 def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
     """The report document: ``meta`` (profile, budget, timing, environment) plus the tally."""
     counts = [
-        {"property": p, "dtype": d, "backend": b, "tp": t, "examples": n, "failures": f, "known": k}
-        for (p, d, b, t), (n, f, k) in sorted(tally.counts.items())
+        {"property": p, "dtype": d, "backend": b, "tp": t, "examples": n, "failures": f}
+        for (p, d, b, t), (n, f) in sorted(tally.counts.items())
     ]
     by_dtype = [
         {"dtype": d, "backend": b, "tp": t, "examples": n, "failures": f}
@@ -158,7 +154,6 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
         **meta,
         "examples": examples,
         "examples_per_s": round(examples / wall, 3) if wall > 0 else None,
-        "known_examples": tally.known_examples,
         "passed": not tally.failures and not tally.errors and not meta.get("interrupted"),
         "slices": tally.slices,
         "timing": [_timing_row(b, k, row) for (b, k), row in sorted(tally.timing.items())],
@@ -222,8 +217,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- {doc['examples']} examples in {doc['wall_s']:.0f} s ({rate} examples/s), "
         f"budget {doc['budget_s']:.0f} s{' (exhausted)' if doc.get('budget_exhausted') else ''}"
         + _seed_note(doc.get("seed")),
-        f"- {len(doc['failures'])} failure(s), {len(doc['errors'])} infrastructure error(s); "
-        f"{doc['known_examples']} example(s) with only known, reported failure classes",
+        f"- {len(doc['failures'])} failure(s), {len(doc['errors'])} infrastructure error(s)",
         f"- device: {env.get('device', '?')}; {versions}",
         "",
         "## Where the time went, per backend (seconds; ms per example)",
@@ -238,8 +232,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         *_count_table(doc["examples_by_dtype"], "dtype"),
         "",
-        "## Worst measured/allowed per output and dtype (all backends; <= 1 passes; "
-        "known: a reported failure class, not counted)",
+        "## Worst measured/allowed per output and dtype (all backends; <= 1 passes)",
         "",
         *_worst_table(doc["worst"]),
         "",
@@ -305,8 +298,7 @@ def _worst_table(worst: list[dict[str, Any]]) -> list[str]:
 
 
 def _worst_text(worst: dict[str, Any]) -> str:
-    text = _ratio_text(float(worst.get("ratio", 0.0)))
-    return f"{text} (known: {worst['known']})" if worst.get("known") else text
+    return _ratio_text(float(worst.get("ratio", 0.0)))
 
 
 def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 from hypothesis import Phase
 
 from verify.cases.spec import BACKENDS, DTYPE_PAIRS, CaseSpec
-from verify.cases.strategies import case_specs, invalid_specs
+from verify.cases.strategies import campaign_specs, invalid_specs
 from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool, needs_pool
 from verify.distributed.errors import PoolError
 from verify.execution.runner import Runner
@@ -310,7 +310,7 @@ class _Slice:
         if with_status and "status" in self.names:
             searches.append((["status"], invalid_specs(tp_sizes=(self.tp,))))
         if valid:
-            specs = case_specs(
+            specs = campaign_specs(
                 backends=(self.backend,), tp_sizes=(self.tp,), pairs=self.config.dtype_pairs
             )
             searches.append((valid, specs))

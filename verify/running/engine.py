@@ -85,7 +85,6 @@ class SearchResult:
     failure: list[PropertyVerdict] = field(default_factory=list)
     worst_ratio: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
-    known: int = 0  # verdicts of known, reported failure classes (`verify.properties.known`)
     stopped: bool = False  # a deadline ended the search (see `run_property`)
     other_failures: list[list[PropertyVerdict]] = field(default_factory=list)
 
@@ -146,7 +145,6 @@ def run_property(
         target(worst(verdicts), label="measured/allowed")
         if on_example is not None:
             on_example(spec, verdicts)
-        result.known += sum(1 for v in verdicts if v.known)
         failed = [v for v in verdicts if v.failed]
         if failed:
             if result.first_failure_at is None:

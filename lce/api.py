@@ -10,7 +10,7 @@ import torch.distributed as dist
 from lce.autograd import FusedLogprobEntropy, FusedScalarLoss, Plan
 from lce.backends import get_stages, resolve_backend_name
 from lce.options import LCEOptions
-from lce.tp import resolve_shard
+from lce.tp import CallShape, agree_on_call, resolve_shard, usable_group
 from lce.validation import check_inputs, check_reduction
 
 
@@ -51,14 +51,17 @@ def token_logprobs(
         reduce_grad_hidden: sum grad_hidden over the TP group (fp32) in backward; False leaves it
             partial for a caller that reduce-scatters (sequence parallel).
         backend: ``"auto"`` (Triton on CUDA if installed, else torch), ``"torch"`` or ``"triton"``.
-        chunk_size: tokens per chunk of the torch backend (default: ~64 MiB of fp32 logits).
+        chunk_size: tokens per chunk (default: torch ~64 MiB of fp32 logits per chunk, Triton all
+            tokens at once); the Triton kernels then run per block, bounding their workspace.
+        Under TP every rank passes the same tokens and either all or none pass ``vocab_start``;
+        ranks that disagree all raise the same ``ValueError`` before any per-token collective.
     """
     options = LCEOptions(
         ignore_index=ignore_index, temperature=temperature, tp_group=tp_group,
         vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
         chunk_size=chunk_size,
     )  # fmt: skip
-    return _token_outputs(hidden, weight, targets, options)
+    return _token_outputs(hidden, weight, targets, _plan(hidden, weight, targets, options))
 
 
 def linear_cross_entropy(
@@ -81,20 +84,21 @@ def linear_cross_entropy(
     non-ignored tokens (NaN if all are ignored, as in PyTorch, with exactly zero gradients).
     Other arguments as in `token_logprobs`.
     """
-    check_reduction(reduction)
     options = LCEOptions(
         ignore_index=ignore_index, temperature=temperature, tp_group=tp_group,
         vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
         chunk_size=chunk_size,
     )  # fmt: skip
-    if reduction != "none" and _grads_wanted(hidden, weight):
-        check_inputs(hidden, weight, targets)
-        plan = _plan(hidden, weight, options)
-        if hasattr(plan.stages, "loss_grads_in_forward"):
-            return FusedScalarLoss.apply(
-                hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), plan, reduction
-            )
-    logprobs = _token_outputs(hidden, weight, targets, options).logprobs
+    plan = _plan(hidden, weight, targets, options, reduction)
+    if (
+        reduction != "none"
+        and _grads_wanted(hidden, weight)
+        and hasattr(plan.stages, "loss_grads_in_forward")
+    ):
+        return FusedScalarLoss.apply(
+            hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), plan, reduction
+        )
+    logprobs = _token_outputs(hidden, weight, targets, plan).logprobs
     if reduction == "none":
         return -logprobs
     total = -logprobs.sum()
@@ -104,14 +108,10 @@ def linear_cross_entropy(
 
 
 def _token_outputs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, options: LCEOptions
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: Plan
 ) -> TokenOutputs:
-    check_inputs(hidden, weight, targets)
     logprobs, entropy = FusedLogprobEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]),
-        weight,
-        targets.reshape(-1),
-        _plan(hidden, weight, options),
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), plan
     )
     return TokenOutputs(logprobs.view(targets.shape), entropy.view(targets.shape))
 
@@ -120,10 +120,28 @@ def _grads_wanted(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
 
 
-def _plan(hidden: torch.Tensor, weight: torch.Tensor, options: LCEOptions) -> Plan:
-    backend = resolve_backend_name(options.backend, hidden.device, weight.dtype)
+def _plan(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    options: LCEOptions,
+    reduction: str = "none",
+) -> Plan:
+    """Check the arguments, agree with the TP group's other ranks, pick the stages and shard."""
+    group = usable_group(options.tp_group)
+    try:
+        check_reduction(reduction)
+        check_inputs(hidden, weight, targets)
+        backend = resolve_backend_name(options.backend, hidden.device, weight.dtype)
+    except (TypeError, ValueError) as error:
+        if group is not None:
+            agree_on_call(group, None, error)  # the other ranks raise too, then this one
+        raise
+    if group is not None:
+        shape = CallShape(targets.numel(), weight.shape[0], options.vocab_start is not None)
+        agree_on_call(group, shape, None)
     return Plan(
         options=options,
-        shard=resolve_shard(options.tp_group, options.vocab_start, weight.shape[0], weight.device),
+        shard=resolve_shard(group, options.vocab_start, weight.shape[0]),
         stages=get_stages(backend, hidden.device, options.chunk_size),
     )

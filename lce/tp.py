@@ -28,22 +28,86 @@ class VocabShard:
         return (local >= 0) & (local < self.vocab_local)
 
 
-def resolve_shard(
-    tp_group: dist.ProcessGroup | None,
-    vocab_start: int | None,
-    vocab_local: int,
-    device: torch.device,
-) -> VocabShard:
-    """Shard of the calling rank; ``vocab_start`` defaults to ``tp_rank * vocab_local``."""
-    if tp_group is not None and not dist.is_initialized():
+def usable_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``tp_group``, or None where it holds one rank (no TP)."""
+    if tp_group is None:
+        return None
+    if not dist.is_initialized():
         raise ValueError("tp_group was given but torch.distributed is not initialized")
-    if tp_group is not None and dist.get_world_size(tp_group) == 1:
-        tp_group = None
+    return None if dist.get_world_size(tp_group) == 1 else tp_group
+
+
+def resolve_shard(
+    group: dist.ProcessGroup | None, vocab_start: int | None, vocab_local: int
+) -> VocabShard:
+    """Shard of the calling rank; ``vocab_start`` defaults to ``tp_rank * vocab_local``.
+
+    ``group`` is a `usable_group` whose ranks passed `agree_on_call`.
+    """
     if vocab_start is None:
-        if tp_group is not None:
-            _require_equal_shards(tp_group, vocab_local, device)
-        vocab_start = 0 if tp_group is None else dist.get_rank(tp_group) * vocab_local
-    return VocabShard(tp_group, int(vocab_start), vocab_local)
+        vocab_start = 0 if group is None else dist.get_rank(group) * vocab_local
+    return VocabShard(group, int(vocab_start), vocab_local)
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """What every rank of a TP group must agree on before the per-token collectives."""
+
+    num_tokens: int
+    vocab_local: int
+    vocab_start_given: bool
+
+
+def agree_on_call(
+    group: dist.ProcessGroup, shape: CallShape | None, local_error: Exception | None
+) -> None:
+    """Raise the same error on every rank of ``group`` unless all ranks can run the call.
+
+    One MAX all-reduce of seven ints, before any collective whose size depends on the tokens
+    (ranks that disagree there end in a collective mismatch or a hang). ``shape`` is None and
+    ``local_error`` set where this rank's own arguments were rejected: that rank raises its error,
+    the others say which went wrong.
+    """
+    failed = shape is None or local_error is not None
+    tokens, vocab, given = (0, 0, 0) if shape is None else (
+        shape.num_tokens, shape.vocab_local, int(shape.vocab_start_given)
+    )  # fmt: skip
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    packed = torch.tensor(
+        [tokens, -tokens, vocab, -vocab, given, -given, int(failed)],
+        dtype=torch.int64,
+        device=device,
+    )
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    most_tokens, fewest_tokens, most_vocab, fewest_vocab, any_given, not_all_given, any_failed = (
+        packed.tolist()
+    )
+    if local_error is not None:
+        raise local_error
+    if any_failed:
+        raise ValueError(
+            "another rank of the TP group rejected its arguments (its error says why); every rank "
+            "must pass valid arguments to the same call"
+        )
+    if most_tokens != -fewest_tokens:
+        raise ValueError(
+            f"the ranks of the TP group passed different token counts ({-fewest_tokens}.."
+            f"{most_tokens}); vocab-parallel lce needs the same hidden rows and targets on every "
+            "rank of tp_group (only the weight is split by vocabulary)"
+        )
+    if any_given and not_all_given == 0:  # max(-given) = 0: some rank gave none
+        raise ValueError(
+            "only some ranks of the TP group passed vocab_start; pass it on every rank (each its "
+            "own first global id) or on none (equal shards, vocab_start = tp_rank * V_local)"
+        )
+    if not any_given and most_vocab != -fewest_vocab:
+        raise ValueError(
+            f"vocab shards of the TP group have different sizes ({-fewest_vocab}..{most_vocab} "
+            "rows), so the default vocab_start = tp_rank * V_local is wrong; pass vocab_start "
+            "(this rank's first global id) explicitly"
+        )
 
 
 @dataclass(frozen=True)
@@ -82,18 +146,6 @@ class GlobalStats:
         p_target = torch.exp(self.logprob)
         spread = (self.target_logit - self.max) - self.centred_mean
         return grad_logprob * self.target_complement - grad_entropy * p_target * spread
-
-
-def _require_equal_shards(group: dist.ProcessGroup, vocab_local: int, device: torch.device) -> None:
-    """The default ``vocab_start = rank * V_local`` is only right when all shards have one size."""
-    sizes = torch.tensor([vocab_local, -vocab_local], dtype=torch.float32, device=device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
-    if sizes[0] != -sizes[1]:
-        raise ValueError(
-            f"vocab shards of the TP group have different sizes ({int(-sizes[1])}..{int(sizes[0])} "
-            "rows), so the default vocab_start = tp_rank * V_local is wrong; pass vocab_start "
-            "(this rank's first global id) explicitly"
-        )
 
 
 def merge_stats(

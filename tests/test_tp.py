@@ -7,6 +7,8 @@ campaign's own.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -92,3 +94,24 @@ def test_the_spec_says_the_shards():
     with pytest.raises(ValueError, match="summing to vocab=97"):
         CaseSpec(vocab=97, tp=4, shards=(40, 1, 31, 24))
     assert torch.equal(build(spec).weight, build(spec.with_(tp=1, shards=None)).weight)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("disagree", "message"),
+    [
+        ("tokens", "different token counts"),
+        ("vocab_start", "only some ranks of the TP group passed vocab_start"),
+        ("targets", "targets must have shape|another rank of the TP group rejected"),
+    ],
+)
+def test_ranks_that_disagree_all_raise_a_clear_error(runner, backend, disagree, message):
+    """Checked by one fixed-size collective before any per-token one: before it, a token-count
+    mismatch was a gloo collective mismatch (SIGABRT) and a lone vocab_start a hang."""
+    results = runner.pool.run(
+        "tests.tp_jobs:run_disagreeing_call", dict(disagree=disagree, backend=backend), tp=4
+    )
+    errors = [r["error"] for r in results]
+    assert all(re.search(message, e) for e in errors), errors
+    if disagree != "targets":  # there the rank with bad targets says what is wrong with them
+        assert len(set(errors)) == 1, errors

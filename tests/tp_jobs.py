@@ -1,7 +1,11 @@
-"""A worker-side job for the TP tests: a rank's inputs from the harness, passed to lce without
-``vocab_start`` (which unequal shards need)."""
+"""Worker-side jobs for the TP tests: calls of lce that its contract refuses (a rank's inputs from
+the harness without the ``vocab_start`` unequal shards need; ranks disagreeing on the call)."""
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
 
 import lce
 from verify.cases.build import build
@@ -15,3 +19,31 @@ def without_vocab_start(payload: str, ctx: JobContext) -> None:
     spec = CaseSpec.from_json(payload)
     inputs = rank_inputs(spec, build(spec), ctx.tp_rank)
     lce.token_logprobs(inputs.hidden, inputs.weight, inputs.targets, tp_group=ctx.tp_group)
+
+
+def run_disagreeing_call(payload: dict[str, Any], ctx: JobContext) -> dict[str, str]:
+    """Ranks call lce with arguments they disagree on (``payload["disagree"]``): ``tokens`` (the
+    last rank has one token fewer), ``vocab_start`` (only rank 0 passes it) or ``targets`` (the
+    last rank's targets have a wrong shape). Returns the error each rank raised."""
+    gen = torch.Generator().manual_seed(5)
+    num_tokens, hidden_size, vocab_local = 6, 8, 5
+    last = ctx.tp_rank == ctx.tp_size - 1
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen)
+    targets = torch.randint(0, vocab_local * ctx.tp_size, (num_tokens,), generator=gen)
+    weight = torch.randn(vocab_local * ctx.tp_size, hidden_size, generator=gen)
+    start = ctx.tp_rank * vocab_local
+    weight = weight[start : start + vocab_local]
+    disagree = payload["disagree"]
+    if disagree == "tokens" and last:
+        hidden, targets = hidden[1:], targets[1:]
+    if disagree == "targets" and last:
+        targets = targets[1:]
+    vocab_start = start if disagree == "vocab_start" and ctx.tp_rank == 0 else None
+    try:
+        lce.linear_cross_entropy(
+            hidden.requires_grad_(), weight, targets, tp_group=ctx.tp_group,
+            vocab_start=vocab_start, backend=payload["backend"],
+        )  # fmt: skip
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": ""}

@@ -51,4 +51,4 @@ def get_stages(backend: str, device: torch.device, chunk_size: int | None) -> St
         return TorchChunkedStages(chunk_size)
     from lce.backends.triton import TritonStages
 
-    return TritonStages()
+    return TritonStages(chunk_size=chunk_size)

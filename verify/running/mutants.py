@@ -181,16 +181,16 @@ def _mean_over_all_rows(hidden, weight, targets, *, reduction="mean", **kwargs):
     return loss / targets.numel() if reduction == "mean" else loss
 
 
-def _ignored_not_zeroed(hidden, weight, targets, options):
-    clamped = torch.where(targets == options.ignore_index, 0, targets)  # ignore_index read as id 0
-    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, clamped, options)
+def _ignored_not_zeroed(hidden, weight, targets, plan):
+    clamped = torch.where(targets == plan.options.ignore_index, 0, targets)  # read as id 0
+    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, clamped, plan)
 
 
-def _cast_in_place(hidden, weight, targets, options):
+def _cast_in_place(hidden, weight, targets, plan):
     if hidden.dtype != weight.dtype:
         with torch.no_grad():
             hidden.copy_(hidden.to(weight.dtype))  # the matmul cast, done on the caller's tensor
-    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, targets, options)
+    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, targets, plan)
 
 
 _ORIGINAL_LCE = lce.api.linear_cross_entropy

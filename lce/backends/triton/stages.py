@@ -1,8 +1,9 @@
 """`TritonStages`: the StageBackend of fused Triton kernels on one vocab shard.
 
 Forward: `forward_kernel` (one pass of logits tiles, online softmax). Backward: per vocab chunk,
-`backward_kernel` recomputes logits and writes d_logits, then two GEMMs (`gemm`) accumulate
-grad_hidden and write grad_weight in fp32.
+`backward_kernel` recomputes logits and writes d_logits, then two GEMMs (`lce.backends.gemm`)
+accumulate grad_hidden and write grad_weight in fp32. With ``chunk_size`` both run per block of
+tokens.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import fields
 
 import torch
 
-from lce.backends.base import BackwardRows, ShardStats
+from lce.backends.base import BackwardRows, ShardStats, select_rows
 from lce.backends.gemm import addmm_, mm_into
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.config import TritonConfig, default_config
@@ -33,13 +34,23 @@ def _check_operands(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 class TritonStages:
-    """Fused Triton stages; ``config`` defaults to `default_config()` at each call."""
+    """Fused Triton stages; ``config`` defaults to `default_config()` at each call.
 
-    def __init__(self, config: TritonConfig | None = None) -> None:
+    ``chunk_size`` (tokens per block, as on the torch backend): None runs all tokens at once; a
+    number runs the kernels on blocks of that many tokens, bounding the backward's d_logits
+    workspace to ``[chunk_size, width]``, with grad_weight summed over the blocks in fp32.
+    """
+
+    def __init__(self, config: TritonConfig | None = None, chunk_size: int | None = None) -> None:
         self.config = config
+        self.chunk_size = chunk_size
 
     def _config(self) -> TritonConfig:
         return self.config if self.config is not None else default_config()
+
+    def _token_blocks(self, num_tokens: int) -> list[slice]:
+        size = self.chunk_size or max(num_tokens, 1)
+        return [slice(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
 
     def forward_stats(
         self,
@@ -58,10 +69,20 @@ class TritonStages:
             )
             empty[0] = float("-inf")
             return ShardStats(*empty.unbind(0))
-        partials = forward_partials(
-            hidden, weight, targets.contiguous(), vocab_start, temperature, self._config()
+        targets = targets.contiguous()
+        blocks = [
+            merge_partials(
+                forward_partials(
+                    hidden[rows], weight, targets[rows], vocab_start, temperature, self._config()
+                )
+            )
+            for rows in self._token_blocks(num_tokens)
+        ]
+        if len(blocks) == 1:
+            return blocks[0]
+        return ShardStats(
+            *(torch.cat([getattr(b, f.name) for b in blocks]) for f in fields(ShardStats))
         )
-        return merge_partials(partials)
 
     def backward_grads(
         self,
@@ -79,39 +100,48 @@ class TritonStages:
         (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
         config = self._config()
         device = hidden.device
+        blocks = self._token_blocks(num_tokens)
         grad_hidden = None
         if need_hidden:
             grad_hidden = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=device)
         grad_weight = None
         if need_weight:
-            # Every chunk writes its grad_weight rows, so only T = 0 needs the zeros.
+            # Every chunk writes its grad_weight rows, so only T = 0 needs the zeros; several token
+            # blocks add up in fp32 (a low-precision sum would round once per block).
             alloc = torch.empty if num_tokens else torch.zeros
-            dtype = torch.float32 if config.grad_weight_fp32 else weight.dtype
+            fp32 = config.grad_weight_fp32 or len(blocks) > 1
+            dtype = torch.float32 if fp32 else weight.dtype
             grad_weight = alloc(vocab_local, hidden_size, dtype=dtype, device=device)
         if num_tokens == 0 or vocab_local == 0 or not (need_hidden or need_weight):
             return grad_hidden, grad_weight
-        width = self._chunk_width(num_tokens, vocab_local, weight.element_size(), config)
+        block_tokens = blocks[0].stop
+        width = self._chunk_width(block_tokens, vocab_local, weight.element_size(), config)
         # Rows padded to 16 elements: the kernel's stores stay aligned (vectorized), and its row
         # stride is one compiled specialization whatever V is.
         padded = -(-width // 16) * 16
-        buffer = torch.empty(num_tokens, padded, dtype=weight.dtype, device=hidden.device)
+        buffer = torch.empty(block_tokens, padded, dtype=weight.dtype, device=hidden.device)
         rows = BackwardRows(
             *(s.float().contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
             rows.grad_logprob.float(),
             rows.grad_entropy.float(),
             rows.target_grad.float().contiguous(),
         )
-        for start in range(0, vocab_local, width):
-            chunk = slice(start, min(start + width, vocab_local))
-            d_logits = buffer[:, : chunk.stop - start]
-            dlogits_chunk(
-                hidden, weight[chunk], targets.contiguous(), vocab_start + start, temperature,
-                rows, d_logits, config,
-            )  # fmt: skip
-            if grad_weight is not None:
-                mm_into(d_logits.T, hidden, out=grad_weight[chunk])
-            if grad_hidden is not None:
-                addmm_(grad_hidden, d_logits, weight[chunk])
+        targets = targets.contiguous()
+        for block in blocks:
+            block_hidden = hidden[block]
+            for start in range(0, vocab_local, width):
+                chunk = slice(start, min(start + width, vocab_local))
+                d_logits = buffer[: block.stop - block.start, : chunk.stop - start]
+                dlogits_chunk(
+                    block_hidden, weight[chunk], targets[block], vocab_start + start, temperature,
+                    select_rows(rows, block), d_logits, config,
+                )  # fmt: skip
+                if grad_weight is not None and block.start == 0:
+                    mm_into(d_logits.T, block_hidden, out=grad_weight[chunk])
+                elif grad_weight is not None:
+                    addmm_(grad_weight[chunk], d_logits.T, block_hidden)
+                if grad_hidden is not None:
+                    addmm_(grad_hidden[block], d_logits, weight[chunk])
         return grad_hidden, grad_weight
 
     @staticmethod

@@ -55,17 +55,17 @@ class FusedLogprobEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ignore_index, shard = plan.options.ignore_index, plan.shard
         ignored, kernel_targets = _kernel_targets(targets, ignore_index)
-        compute_hidden = hidden.to(weight.dtype)
         stats = plan.stages.forward_stats(
-            compute_hidden, weight, kernel_targets, shard.vocab_start, plan.options.temperature
-        )
+            hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start,
+            plan.options.temperature,
+        )  # fmt: skip
         merged = merge_stats(stats, shard.owns(kernel_targets), shard.group)
         zero = torch.zeros_like(merged.max)
         logprobs = torch.where(ignored, zero, merged.logprob)
         entropy = torch.where(ignored, zero, merged.entropy)
         saved_stats = (getattr(merged, f.name) for f in fields(GlobalStats))
-        ctx.save_for_backward(compute_hidden, weight, kernel_targets, *saved_stats)
-        ctx.hidden_dtype = hidden.dtype
+        # hidden itself, not its cast: a double backward differentiates through the cast.
+        ctx.save_for_backward(hidden, weight, kernel_targets, *saved_stats)
         ctx.plan = plan
         raise_on_bad_targets(targets, merged.owners, ignore_index)  # last: it syncs with the GPU
         return logprobs, entropy
@@ -74,7 +74,7 @@ class FusedLogprobEntropy(torch.autograd.Function):
     def backward(
         ctx: Any, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        compute_hidden, weight, kernel_targets, *saved_stats = ctx.saved_tensors
+        hidden, weight, kernel_targets, *saved_stats = ctx.saved_tensors
         merged = GlobalStats(*saved_stats)
         plan: Plan = ctx.plan
         shard = plan.shard
@@ -83,6 +83,20 @@ class FusedLogprobEntropy(torch.autograd.Function):
         zero = torch.zeros_like(merged.max)
         grad_logprob = zero if grad_logprob is None else torch.where(active, grad_logprob, zero)
         grad_entropy = zero if grad_entropy is None else torch.where(active, grad_entropy, zero)
+        if torch.is_grad_enabled():  # create_graph=True: this backward is differentiated too
+            grads_with_graph = getattr(plan.stages, "grads_with_graph", None)
+            if grads_with_graph is None:
+                raise _double_backward_error(f"the {type(plan.stages).__name__} backend")
+            if shard.group is not None:
+                raise _double_backward_error("vocab-parallel TP (the softmax sums are collectives)")
+            return (
+                *grads_with_graph(
+                    hidden, weight, kernel_targets, shard.vocab_start, plan.options.temperature,
+                    grad_logprob, grad_entropy, need_hidden, need_weight,
+                ),
+                None,
+                None,
+            )  # fmt: skip
         rows = BackwardRows(
             merged.max,
             merged.log_sumexp,
@@ -92,13 +106,13 @@ class FusedLogprobEntropy(torch.autograd.Function):
             torch.where(active, merged.target_grad(grad_logprob, grad_entropy), zero),
         )
         grad_hidden, grad_weight = plan.stages.backward_grads(
-            compute_hidden, weight, kernel_targets, shard.vocab_start, plan.options.temperature,
-            rows, need_hidden, need_weight,
+            hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start,
+            plan.options.temperature, rows, need_hidden, need_weight,
         )  # fmt: skip
         if grad_hidden is not None:
             if plan.options.reduce_grad_hidden:
                 reduce_grad_hidden(grad_hidden, shard.group)
-            grad_hidden = grad_hidden.to(ctx.hidden_dtype)
+            grad_hidden = grad_hidden.to(hidden.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None
@@ -152,6 +166,10 @@ class FusedScalarLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # the saved gradients hold no graph: refuse, never zeros
+            raise _double_backward_error(
+                "linear_cross_entropy's sum/mean path (its gradients are computed in the forward)"
+            )
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         scaled = [
@@ -159,3 +177,12 @@ class FusedScalarLoss(torch.autograd.Function):
             for grad, dtype in ((grad_hidden, hidden_dtype), (grad_weight, weight_dtype))
         ]
         return (*scaled, None, None, None)
+
+
+def _double_backward_error(unsupported: str) -> RuntimeError:
+    """Refuse a double backward rather than return wrong (zero) second-order terms."""
+    return RuntimeError(
+        f"double backward (a backward with create_graph=True, e.g. a gradient penalty) is not "
+        f"supported by {unsupported}; it is by backend='torch' without TP on the per-token "
+        "outputs: token_logprobs, or linear_cross_entropy(..., reduction='none') reduced by you"
+    )

@@ -115,3 +115,8 @@ def test_ranks_that_disagree_all_raise_a_clear_error(runner, backend, disagree, 
     assert all(re.search(message, e) for e in errors), errors
     if disagree != "targets":  # there the rank with bad targets says what is wrong with them
         assert len(set(errors)) == 1, errors
+
+
+def test_double_backward_under_tp_raises_on_every_rank(pool):
+    results = pool.run("tests.tp_jobs:run_double_backward", {}, tp=2)
+    assert all("double backward" in r["error"] and "TP" in r["error"] for r in results), results

@@ -47,3 +47,17 @@ def run_disagreeing_call(payload: dict[str, Any], ctx: JobContext) -> dict[str, 
     except ValueError as error:
         return {"error": str(error)}
     return {"error": ""}
+
+
+def run_double_backward(payload: dict[str, Any], ctx: JobContext) -> dict[str, str]:
+    """A backward with create_graph=True under TP; returns the error each rank raised."""
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(4, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(5, 8, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 5 * ctx.tp_size, (4,), generator=gen)
+    out = lce.token_logprobs(hidden, weight, targets, tp_group=ctx.tp_group, backend="torch")
+    try:
+        torch.autograd.grad(out.logprobs.sum(), weight, create_graph=True)
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"error": ""}

@@ -72,6 +72,35 @@ class TorchChunkedStages:
             _accumulate(d, hidden, weight, chunk, grad_hidden, grad_weight)
         return grad_hidden, grad_weight
 
+    def grads_with_graph(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_start: int,
+        temperature: float,
+        grad_logprob: torch.Tensor,
+        grad_entropy: torch.Tensor,
+        need_hidden: bool,
+        need_weight: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`backward_grads` as differentiable torch ops, for a backward with ``create_graph``.
+
+        One shard holding the whole vocabulary (no TP). ``hidden`` is the caller's tensor (its
+        cast to weight's dtype is differentiated too); gradients come back in the inputs' dtypes.
+        The logits are materialized whole: a second-order graph keeps them anyway.
+        """
+        compute_hidden = hidden.to(weight.dtype)
+        logits = (compute_hidden @ weight.T).to(accumulation_dtype(weight.dtype)) / temperature
+        log_p = torch.log_softmax(logits, dim=-1)
+        local, owned = _local_targets(targets, vocab_start, weight.shape[0])
+        logprobs = torch.where(owned, log_p.gather(1, local[:, None]).squeeze(1), 0.0)
+        entropy = torch.logsumexp(logits, dim=-1) - (log_p.exp() * logits).sum(dim=-1)
+        inputs = [tensor for tensor, need in ((hidden, need_hidden), (weight, need_weight)) if need]
+        upstream = (grad_logprob.to(logprobs.dtype), grad_entropy.to(entropy.dtype))
+        grads = list(torch.autograd.grad((logprobs, entropy), inputs, upstream, create_graph=True))
+        return grads.pop(0) if need_hidden else None, grads.pop(0) if need_weight else None
+
     def loss_grads_in_forward(
         self,
         hidden: torch.Tensor,

@@ -1,0 +1,78 @@
+"""Double backward (``create_graph=True``): right on the torch backend's per-token path, a clear
+error everywhere else, never silent zeros."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lce
+from tests.test_core import BACKENDS
+
+T, H, V = 6, 5, 7
+TEMPERATURE = 0.7
+
+
+def _problem(dtype=torch.float64):
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(T, H, generator=gen, dtype=dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=gen, dtype=dtype) * 2).requires_grad_()
+    targets = torch.randint(0, V, (T,), generator=gen)
+    targets[2] = -100
+    return hidden, weight, targets
+
+
+def test_gradgradcheck_in_fp64_on_the_torch_backend():
+    hidden, weight, targets = _problem()
+
+    def outputs(hidden, weight):
+        out = lce.token_logprobs(hidden, weight, targets, backend="torch", temperature=TEMPERATURE)
+        return out.logprobs, out.entropy
+
+    # Random upstream and second-order upstream gradients, checked against finite differences.
+    assert torch.autograd.gradgradcheck(outputs, (hidden, weight))
+
+
+def _penalty(loss_fn, hidden, weight):
+    (grad_weight,) = torch.autograd.grad(loss_fn(hidden, weight), weight, create_graph=True)
+    penalty = (grad_weight**2).sum()
+    return penalty, torch.autograd.grad(penalty, (hidden, weight))
+
+
+def test_gradient_penalty_equals_the_stock_path():
+    """The issue's case: per-token torch gave second-order terms of 0.0 (stock: nonzero)."""
+    hidden, weight, targets = _problem(torch.float32)
+    valid = targets != -100
+
+    def stock(hidden, weight):
+        logp = torch.log_softmax(hidden @ weight.T / TEMPERATURE, dim=-1)
+        return -torch.where(
+            valid, logp.gather(1, targets.clamp_min(0)[:, None]).squeeze(1), 0
+        ).sum()
+
+    def fused(hidden, weight):
+        return lce.linear_cross_entropy(
+            hidden, weight, targets, reduction="none", backend="torch", temperature=TEMPERATURE
+        ).sum()
+
+    expected, expected_grads = _penalty(stock, hidden, weight)
+    penalty, grads = _penalty(fused, hidden, weight)
+    # fp32 through differently ordered sums: a few eps of the values' scale (~1e2 here).
+    torch.testing.assert_close(penalty, expected, rtol=1e-5, atol=0)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_unsupported_double_backward_raises_naming_it(backend, reduction):
+    hidden, weight, targets = _problem(torch.float32)
+    supported = backend == "torch" and reduction == "none"
+    loss = lce.linear_cross_entropy(hidden, weight, targets, reduction=reduction, backend=backend)
+    if supported:
+        (grad,) = torch.autograd.grad(loss.sum(), weight, create_graph=True)
+        assert grad.requires_grad
+        return
+    with pytest.raises(RuntimeError, match=r"double backward .*create_graph=True"):
+        torch.autograd.grad(loss.sum(), weight, create_graph=True)

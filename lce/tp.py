@@ -114,15 +114,15 @@ def agree_on_call(
 class GlobalStats:
     """Per-token fp32 ``[T]`` softmax statistics over the whole vocabulary.
 
-    Every field is relative to the row max m, so nothing is rounded at the logits' magnitude, and
-    ``1 - p_y`` is a ratio of two sums rather than a difference that cancels on confident rows.
+    Every field is relative to the row max m, so nothing is rounded at the logits' magnitude;
+    ``log_sumexp`` is ``log1p`` of the non-max terms, so a confident row's ``log p_y`` and
+    ``1 - p_y = -expm1(log p_y)`` keep their relative precision (no ``1 - p`` cancellation).
     """
 
     max: torch.Tensor  # m, the row max over all shards
     log_sumexp: torch.Tensor  # log sum_j exp(z_j - m): lse = m + log_sumexp, never rounded whole
     target_logit: torch.Tensor
     centred_mean: torch.Tensor  # E_p[z] - m
-    target_complement: torch.Tensor  # 1 - p_y = sum_{j != y} exp(z_j - m) / sum_j exp(z_j - m)
     owners: torch.Tensor  # how many shards hold the target id: 1 if valid, 0 if outside [0, V)
 
     @property
@@ -132,14 +132,13 @@ class GlobalStats:
 
     @property
     def logprob(self) -> torch.Tensor:
-        """``z_y - lse``: ``log1p(-(1 - p_y))`` while p_y > 1/2 (exact for confident rows, where
-        ``(z_y - m) - log_sumexp`` carries log_sumexp's rounding), that difference otherwise."""
-        confident = self.target_complement < 0.5
-        return torch.where(
-            confident,
-            torch.log1p(-self.target_complement),
-            (self.target_logit - self.max) - self.log_sumexp,
-        )
+        """``z_y - lse = (z_y - m) - log_sumexp``: exactly ``-log_sumexp`` when y is the max."""
+        return (self.target_logit - self.max) - self.log_sumexp
+
+    @property
+    def target_complement(self) -> torch.Tensor:
+        """``1 - p_y`` as ``-expm1(log p_y)``: relative precision however close p_y is to 1."""
+        return -torch.expm1(self.logprob)
 
     def target_grad(self, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor) -> torch.Tensor:
         """``d_z`` on the target lane, ``g_lp (1 - p_y) - g_ent p_y (z_y - E[z])``, uncancelled."""
@@ -160,28 +159,27 @@ def merge_stats(
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
     # A rank whose shard is empty (or whose row is all -inf) has max = -inf: it must add exactly 0.
     owned = torch.isfinite(stats.max)
-    shift = torch.where(owned, stats.max - global_max, torch.zeros_like(global_max))
-    scale = torch.where(owned, torch.exp(shift), torch.zeros_like(shift))
+    zero = torch.zeros_like(global_max)
+    shift = torch.where(owned, stats.max - global_max, zero)
+    scale = torch.where(owned, torch.exp(shift), zero)
     # Re-centre sum exp(z - m_r) (z - m_r) on the global max M: add (m_r - M) * sumexp.
     sumexp_z = scale * (stats.sumexp_z + shift * stats.sumexp)
+    # The non-max terms over all ranks: each rank's own, plus its max lane's term unless that lane
+    # is the global max; of the ``holds_max`` ranks at M, all but one add their 1 after the sum.
+    holds_max = owned & (stats.max == global_max)
+    nonmax = scale * stats.sumexp_nonmax + torch.where(holds_max, zero, scale)
     packed = torch.stack(
-        [
-            stats.sumexp * scale,
-            sumexp_z,
-            stats.sumexp_others * scale,
-            stats.target_logit,
-            target_owned.to(sumexp_z.dtype),
-        ]
+        [nonmax, holds_max.to(nonmax.dtype), sumexp_z, stats.target_logit, target_owned.to(zero)]
     )
     if group is not None:
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    sumexp, sumexp_z, sumexp_others, target_logit, owners = packed.unbind(0)
+    nonmax, max_holders, sumexp_z, target_logit, owners = packed.unbind(0)
+    nonmax = nonmax + (max_holders - 1.0)  # exact: 0 unless ranks tie at the max
     return GlobalStats(
         max=global_max,
-        log_sumexp=torch.log(sumexp),
+        log_sumexp=torch.log1p(nonmax),
         target_logit=target_logit,
-        centred_mean=sumexp_z / sumexp,
-        target_complement=sumexp_others / sumexp,
+        centred_mean=sumexp_z / (1.0 + nonmax),
         owners=owners,
     )
 

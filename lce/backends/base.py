@@ -21,19 +21,24 @@ class ShardStats:
     """Per-token softmax statistics of one vocab shard, all fp32 ``[T]``.
 
     With ``z = (hidden @ weight.T) / temperature`` restricted to the shard:
-    ``max = max_j z_j`` (``-inf`` for an empty shard), ``sumexp = sum_j exp(z_j - max)``,
-    ``sumexp_z = sum_j exp(z_j - max) * (z_j - max)`` (centred on the shard max, so entropy keeps
-    its precision under huge common offsets), ``target_logit = z_y`` if the global target id ``y``
-    lies in ``[vocab_start, vocab_start + V_local)`` else 0, ``sumexp_others = sum_{j != y}
-    exp(z_j - max)`` (summed on its own, so ``1 - p_y`` of a confident row does not cancel). An
+    ``max = max_j z_j`` (``-inf`` for an empty shard), ``sumexp_nonmax = sum_j exp(z_j - max)``
+    over every lane but one max lane (whose term is exactly 1: kept apart, ``log sumexp`` is
+    ``log1p(sumexp_nonmax)`` and keeps its precision on confident rows, where ``1 + small``
+    would round it to eps(1)), ``sumexp_z = sum_j exp(z_j - max) * (z_j - max)`` (centred on the
+    shard max, so entropy keeps its precision under huge common offsets), ``target_logit = z_y``
+    if the global target id ``y`` lies in ``[vocab_start, vocab_start + V_local)`` else 0. An
     empty shard gives max = -inf and zeros elsewhere.
     """
 
     max: torch.Tensor
-    sumexp: torch.Tensor
+    sumexp_nonmax: torch.Tensor
     sumexp_z: torch.Tensor
     target_logit: torch.Tensor
-    sumexp_others: torch.Tensor
+
+    @property
+    def sumexp(self) -> torch.Tensor:
+        """``sum_j exp(z_j - max)`` over the whole shard (0 for an empty one)."""
+        return torch.where(torch.isfinite(self.max), 1.0 + self.sumexp_nonmax, 0.0)
 
 
 @dataclass(frozen=True)

@@ -183,17 +183,16 @@ def _chunk_stats(
     ``exp(z - shard max)``."""
     picked = z.gather(1, local[:, None]).squeeze(1)
     stats.target_logit[rows] = torch.where(owned, picked, torch.zeros_like(picked))
-    row_max = z.amax(dim=1)
-    stats.max[rows] = row_max
-    z.sub_(row_max[:, None])
+    row_max, max_lane = z.max(dim=1, keepdim=True)
+    stats.max[rows] = row_max.squeeze(1)
+    z.sub_(row_max)
     e = torch.exp(z)
-    stats.sumexp[rows] = e.sum(dim=1)
     stats.sumexp_z[rows] = (e.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
-    picked_exp = e.gather(1, local[:, None]).squeeze(1)
-    # The target lane leaves the sum by a second pass, not by subtraction: sumexp - e_y cancels.
-    _set_target_lane(e, local, owned, torch.zeros_like(picked_exp))
-    stats.sumexp_others[rows] = e.sum(dim=1)
-    _set_target_lane(e, local, owned, picked_exp)
+    # The max lane's exp(0) = 1 leaves the sum by a second pass, not by subtraction (sumexp - 1
+    # cancels on confident rows).
+    e.scatter_(1, max_lane, 0.0)
+    stats.sumexp_nonmax[rows] = e.sum(dim=1)
+    e.scatter_(1, max_lane, 1.0)
     return e
 
 

@@ -63,9 +63,9 @@ def _recentre(stats: ShardStats, new_max: torch.Tensor) -> ShardStats:
     return replace(
         stats,
         max=new_max,
-        sumexp=stats.sumexp * scale,
+        # No lane sits at new_max: the whole (underflowing) sum, less the 1 lce adds back.
+        sumexp_nonmax=stats.sumexp * scale - 1.0,
         sumexp_z=scale * (stats.sumexp_z + shift * stats.sumexp),
-        sumexp_others=stats.sumexp_others * scale,
     )
 
 
@@ -83,9 +83,8 @@ class PaddedLanesZero(MutantStages):
         lanes = pad * torch.exp(-stats.max)
         return replace(
             stats,
-            sumexp=stats.sumexp + lanes,
+            sumexp_nonmax=stats.sumexp_nonmax + lanes,
             sumexp_z=stats.sumexp_z + lanes * -stats.max,
-            sumexp_others=stats.sumexp_others + lanes,
         )
 
 

@@ -28,10 +28,9 @@ def _online_softmax_step(
     num_cols,
     inv_temp,
     row_max,
-    sumexp,
+    sumexp_nonmax,
     sumexp_z,
     target_acc,
-    sumexp_others,
     BLOCK_V: tl.constexpr,
     MASKED: tl.constexpr,
 ):
@@ -53,7 +52,8 @@ def _online_softmax_step(
     # `acc * inv_temp - max` into one FMA (which leaves the product's rounding residual,
     # ~2^-24 |z|; weighted by p ~ 1 on a confident row it swamped E[z] - max, measured 6e-4
     # relative in the entropy gradient on an H100).
-    new_max = tl.maximum(row_max, tl.max(acc, axis=1))
+    tile_max = tl.max(acc, axis=1)
+    new_max = tl.maximum(row_max, tile_max)
     # Every tile holds >= 1 real column, so new_max is finite for finite logits; the guards
     # keep -inf rows (empty history) from producing inf - inf.
     seen = row_max > float("-inf")
@@ -65,10 +65,16 @@ def _online_softmax_step(
     e = tl.exp(centred)
     if MASKED:
         e = tl.where(in_v, e, 0.0)
-    sumexp_z = scale * (sumexp_z + shift * sumexp) + tl.sum(e * centred, axis=1)
-    sumexp = scale * sumexp + tl.sum(e, axis=1)
-    sumexp_others = scale * sumexp_others + tl.sum(tl.where(is_target, 0.0, e), axis=1)
-    return new_max, sumexp, sumexp_z, target_acc, sumexp_others
+    # Non-max terms, never 1 + small: the tile's lanes but one of its max lanes (the others at
+    # its max add `top` each), then the running max lane's 1 where the tile takes the max over,
+    # else the tile's own max lane.
+    is_top = acc == tile_max[:, None]
+    top = tl.exp((tile_max - new_max) * inv_temp)
+    tops = tl.sum(is_top.to(tl.float32), axis=1)
+    tile_nonmax = tl.sum(tl.where(is_top, 0.0, e), axis=1) + (tops - 1.0) * top
+    sumexp_z = scale * (sumexp_z + shift * (1.0 + sumexp_nonmax)) + tl.sum(e * centred, axis=1)
+    sumexp_nonmax = scale * sumexp_nonmax + tile_nonmax + tl.where(tile_max >= row_max, scale, top)
+    return new_max, sumexp_nonmax, sumexp_z, target_acc
 
 
 # No int argument is specialized (Triton compiles a variant per value class of each: == 1,
@@ -126,10 +132,9 @@ def _forward_partials_kernel(
         local_target = tl.load(targets_ptr + rows) - vocab_start
 
         row_max = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)  # of acc = z * T
-        sumexp = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        sumexp_nonmax = tl.zeros((BLOCK_T,), dtype=tl.float32)  # one max lane's 1 left out
         sumexp_z = tl.zeros((BLOCK_T,), dtype=tl.float32)  # sum exp(z - max z) * (z - max z)
         target_acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        sumexp_others = tl.zeros((BLOCK_T,), dtype=tl.float32)  # the target lane left out
 
         first_tile = pid_s * tiles_per_split
         num_tiles = min(tiles_per_split, tl.cdiv(V, BLOCK_V) - first_tile)
@@ -150,31 +155,30 @@ def _forward_partials_kernel(
             # int32 columns of this tile: |target - tile_start| < 2^31 for any vocabulary size.
             target_col = (local_target - tile_start).to(tl.int32)
             if tile_start + BLOCK_V <= V:  # every tile but a shard's last: no padded columns
-                row_max, sumexp, sumexp_z, target_acc, sumexp_others = _online_softmax_step(
+                row_max, sumexp_nonmax, sumexp_z, target_acc = _online_softmax_step(
                     acc, target_col, V - tile_start, inv_temp,
-                    row_max, sumexp, sumexp_z, target_acc, sumexp_others, BLOCK_V, False,
+                    row_max, sumexp_nonmax, sumexp_z, target_acc, BLOCK_V, False,
                 )  # fmt: skip
             else:
-                row_max, sumexp, sumexp_z, target_acc, sumexp_others = _online_softmax_step(
+                row_max, sumexp_nonmax, sumexp_z, target_acc = _online_softmax_step(
                     acc, target_col, V - tile_start, inv_temp,
-                    row_max, sumexp, sumexp_z, target_acc, sumexp_others, BLOCK_V, True,
+                    row_max, sumexp_nonmax, sumexp_z, target_acc, BLOCK_V, True,
                 )  # fmt: skip
 
         out = partials_ptr + pid_s.to(tl.int64) * T + offs_t
         tl.store(out, row_max * inv_temp, mask=in_t)  # max z, rounded as target_logit is
         out += plane  # plane = splits * T; stepping by it keeps every offset in range
-        tl.store(out, sumexp, mask=in_t)
+        tl.store(out, sumexp_nonmax, mask=in_t)
         out += plane
         tl.store(out, sumexp_z, mask=in_t)
         out += plane
         tl.store(out, target_acc * inv_temp, mask=in_t)
-        out += plane
-        tl.store(out, sumexp_others, mask=in_t)
 
 
 @triton.jit(do_not_specialize=["T", "num_splits", "plane"])  # see _forward_partials_kernel
 def _merge_partials_kernel(partials_ptr, out_ptr, T, num_splits, plane, BLOCK: tl.constexpr):
-    """Per token: the max over splits, then each split's sums rescaled onto it and added."""
+    """Per token: the max over splits, then each split's sums rescaled onto it and added (the
+    non-max terms as in `lce.tp.merge_stats`: one split at the max keeps its 1 out)."""
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_t = offs_t < T
     row_max = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
@@ -182,10 +186,10 @@ def _merge_partials_kernel(partials_ptr, out_ptr, T, num_splits, plane, BLOCK: t
     for _ in range(0, num_splits):
         row_max = tl.maximum(row_max, tl.load(at, mask=in_t, other=float("-inf")))
         at += T
-    sumexp = tl.zeros((BLOCK,), dtype=tl.float32)
+    sumexp_nonmax = tl.zeros((BLOCK,), dtype=tl.float32)
+    max_holders = tl.zeros((BLOCK,), dtype=tl.float32)
     sumexp_z = tl.zeros((BLOCK,), dtype=tl.float32)
     target_logit = tl.zeros((BLOCK,), dtype=tl.float32)
-    sumexp_others = tl.zeros((BLOCK,), dtype=tl.float32)
     at = partials_ptr + offs_t
     for _ in range(0, num_splits):
         split_max = tl.load(at, mask=in_t, other=float("-inf"))
@@ -193,26 +197,29 @@ def _merge_partials_kernel(partials_ptr, out_ptr, T, num_splits, plane, BLOCK: t
         seen = split_max > float("-inf")
         shift = tl.where(seen, split_max - tl.where(seen, row_max, 0.0), 0.0)  # no inf - inf
         scale = tl.where(seen, tl.exp(shift), 0.0)
-        split_sumexp = tl.load(at + plane, mask=in_t, other=0.0)
-        sumexp += scale * split_sumexp
+        holds_max = seen & (split_max == row_max)
+        split_nonmax = tl.load(at + plane, mask=in_t, other=0.0)
+        sumexp_nonmax += scale * split_nonmax + tl.where(holds_max, 0.0, scale)
+        max_holders += holds_max.to(tl.float32)
+        split_sumexp = tl.where(seen, 1.0 + split_nonmax, 0.0)
         sumexp_z += scale * (tl.load(at + 2 * plane, mask=in_t, other=0.0) + shift * split_sumexp)
         target_logit += tl.load(at + 3 * plane, mask=in_t, other=0.0)
-        sumexp_others += scale * tl.load(at + 4 * plane, mask=in_t, other=0.0)
         at += T
     tl.store(out_ptr + offs_t, row_max, mask=in_t)
-    tl.store(out_ptr + T + offs_t, sumexp, mask=in_t)
+    tl.store(out_ptr + T + offs_t, sumexp_nonmax + (max_holders - 1.0), mask=in_t)
     tl.store(out_ptr + 2 * T + offs_t, sumexp_z, mask=in_t)
     tl.store(out_ptr + 3 * T + offs_t, target_logit, mask=in_t)
-    tl.store(out_ptr + 4 * T + offs_t, sumexp_others, mask=in_t)
 
 
 def merge_partials(partials: torch.Tensor) -> ShardStats:
-    """Fold ``[5, splits, T]`` per-split partials (`ShardStats` order) into one `ShardStats`.
+    """Fold ``[4, splits, T]`` per-split partials (`ShardStats` order) into one `ShardStats`.
 
     One pass over the partials (torch ops took ~0.3 ms at llama3-8k on an H100, 2.5% of a GEMM).
     """
     _, num_splits, num_tokens = partials.shape
-    merged = torch.empty(5, num_tokens, dtype=torch.float32, device=partials.device)
+    merged = torch.empty(
+        len(fields(ShardStats)), num_tokens, dtype=torch.float32, device=partials.device
+    )
     _merge_partials_kernel[(triton.cdiv(num_tokens, MERGE_BLOCK),)](
         partials,
         merged,
@@ -233,7 +240,7 @@ def forward_partials(
     temperature: float,
     config: TritonConfig,
 ) -> torch.Tensor:
-    """fp32 ``[5, splits, T]`` partial statistics; needs T >= 1 and V >= 1."""
+    """fp32 ``[4, splits, T]`` partial statistics (`ShardStats` order); needs T, V >= 1."""
     (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
     tiles = config.forward.for_dtype(weight.dtype)
     num_vocab_tiles = triton.cdiv(vocab_local, tiles.block_v)

@@ -76,3 +76,21 @@ def test_unsupported_double_backward_raises_naming_it(backend, reduction):
         return
     with pytest.raises(RuntimeError, match=r"double backward .*create_graph=True"):
         torch.autograd.grad(loss.sum(), weight, create_graph=True)
+
+
+def test_the_property_engine_checks_double_backward(monkeypatch):
+    """verify's double_backward property passes lce and fails a silent-zero second order."""
+    from lce.backends.torch_chunked import TorchChunkedStages
+    from verify.cases.spec import CaseSpec
+    from verify.running.engine import check_case
+
+    spec = CaseSpec(tokens=5, vocab=17, seed=3, ignore="random", reduction="none")
+    assert all(v.passed for v in check_case(spec, properties=["double_backward"]))
+    original = TorchChunkedStages.grads_with_graph
+
+    def detached(self, *args):  # the old behaviour: right first order, no graph behind it
+        return tuple(g.detach() for g in original(self, *args))
+
+    monkeypatch.setattr(TorchChunkedStages, "grads_with_graph", detached)
+    verdicts = check_case(spec, properties=["double_backward"])
+    assert [v.passed for v in verdicts] == [False, False], [v.line() for v in verdicts]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from verify.cases.spec import CaseSpec
 from verify.execution.runner import Runner
-from verify.properties import differential, metamorphic, peers, status
+from verify.properties import differential, double_backward, metamorphic, peers, status
 from verify.properties.verdict import PropertyVerdict
 
 Check = Callable[[CaseSpec, Runner], list[PropertyVerdict]]
@@ -30,6 +30,7 @@ PROPERTIES: dict[str, Property] = {
     for p in (
         _entry("differential", "differential", differential.differential),
         _entry("contract", "differential", differential.contract),
+        _entry("double_backward", "differential", double_backward.double_backward),
         _entry("tp_invariance", "metamorphic", metamorphic.tp_invariance),
         _entry("chunk_invariance", "metamorphic", metamorphic.chunk_invariance),
         _entry("vocab_permutation", "metamorphic", metamorphic.vocab_permutation),

@@ -44,6 +44,13 @@ class MutantStages:
     def __init__(self, inner) -> None:
         self.inner = inner
 
+    def __getattr__(self, name: str):
+        # The double-backward recomputation is not bent (no mutant plants a bug there); the
+        # scalar-loss fast path stays hidden, so the loss runs through the bent stages.
+        if name == "grads_with_graph":
+            return getattr(self.inner, name)
+        raise AttributeError(name)
+
     def forward_stats(self, hidden, weight, targets, vocab_start, temperature) -> ShardStats:
         stats = self.inner.forward_stats(hidden, weight, targets, vocab_start, temperature)
         return self.bend_stats(stats, weight.shape[0], temperature)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from lce.autograd import FusedLogprobEntropy, FusedScalarLoss, Plan
 from lce.backends import get_stages, resolve_backend_name
+from lce.backends.torch_chunked import default_chunk_size
 from lce.options import LCEOptions
 from lce.tp import CallShape, agree_on_call, resolve_shard, usable_group
 from lce.validation import check_inputs, check_reduction
@@ -137,11 +138,15 @@ def _plan(
         if group is not None:
             agree_on_call(group, None, error)  # the other ranks raise too, then this one
         raise
+    chunk_size = options.chunk_size
     if group is not None:
         shape = CallShape(targets.numel(), weight.shape[0], options.vocab_start is not None)
-        agree_on_call(group, shape, None)
+        largest_shard = agree_on_call(group, shape, None)
+        if backend == "torch" and chunk_size is None:
+            # The scalar-loss path merges per chunk: every rank must cut the tokens alike.
+            chunk_size = default_chunk_size(largest_shard)
     return Plan(
         options=options,
         shard=resolve_shard(group, options.vocab_start, weight.shape[0]),
-        stages=get_stages(backend, hidden.device, options.chunk_size),
+        stages=get_stages(backend, hidden.device, chunk_size),
     )

@@ -60,8 +60,9 @@ class CallShape:
 
 def agree_on_call(
     group: dist.ProcessGroup, shape: CallShape | None, local_error: Exception | None
-) -> None:
-    """Raise the same error on every rank of ``group`` unless all ranks can run the call.
+) -> int:
+    """Raise the same error on every rank of ``group`` unless all ranks can run the call; return
+    the group's largest ``vocab_local`` (for choices every rank must make alike).
 
     One MAX all-reduce of seven ints, before any collective whose size depends on the tokens
     (ranks that disagree there end in a collective mismatch or a hang). ``shape`` is None and
@@ -108,6 +109,7 @@ def agree_on_call(
             "rows), so the default vocab_start = tp_rank * V_local is wrong; pass vocab_start "
             "(this rank's first global id) explicitly"
         )
+    return most_vocab
 
 
 @dataclass(frozen=True)

@@ -62,11 +62,14 @@ def test_tp_equals_tp1_under_the_reference_tolerance(runner, backend, dtype, red
             assert verdict.passed, f"TP={tp} vs TP=1 {name}: {verdict.detail}"
 
 
+@pytest.mark.parametrize("reduction", ["none", "sum"])
 @pytest.mark.parametrize("shards", [(25, 24, 24, 24), (40, 1, 31, 25), (97, 0)])
-def test_uneven_shards_with_vocab_start_are_exact_in_fp64(runner, shards):
-    # The token path, as lce's own uneven-shard contract states it. (The scalar-loss path with an
-    # empty shard, (97, 0) at reduction sum/mean, hangs rank 0 in lce: reported, not covered here.)
-    spec = SPEC.with_(vocab=sum(shards), hidden_dtype="fp64", weight_dtype="fp64", reduction="none")
+def test_uneven_shards_with_vocab_start_are_exact_in_fp64(runner, shards, reduction):
+    # The token path and the scalar-loss path (whose empty shard, (97, 0), returned before its
+    # chunks' collectives and left rank 0 hanging).
+    spec = SPEC.with_(
+        vocab=sum(shards), hidden_dtype="fp64", weight_dtype="fp64", reduction=reduction
+    )
     tp1 = runner.run(spec)
     tpk = runner.run(spec.with_(tp=len(shards), shards=shards))
     assert tpk.status == "ok", tpk.error
@@ -117,6 +120,6 @@ def test_ranks_that_disagree_all_raise_a_clear_error(runner, backend, disagree, 
         assert len(set(errors)) == 1, errors
 
 
-def test_double_backward_under_tp_raises_on_every_rank(pool):
-    results = pool.run("tests.tp_jobs:run_double_backward", {}, tp=2)
+def test_double_backward_under_tp_raises_on_every_rank(runner):
+    results = runner.pool.run("tests.tp_jobs:run_double_backward", {}, tp=2)
     assert all("double backward" in r["error"] and "TP" in r["error"] for r in results), results

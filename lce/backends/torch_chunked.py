@@ -31,7 +31,7 @@ class TorchChunkedStages:
         self.chunk_size = chunk_size
 
     def _chunks(self, num_tokens: int, vocab_local: int) -> Iterator[slice]:
-        size = self.chunk_size or max(1, DEFAULT_CHUNK_ELEMENTS // max(vocab_local, 1))
+        size = self.chunk_size or default_chunk_size(vocab_local)
         return (slice(start, start + size) for start in range(0, num_tokens, size))
 
     def forward_stats(
@@ -121,10 +121,11 @@ class TorchChunkedStages:
         """
         stats = _empty_stats(hidden, weight)
         grad_hidden, grad_weight = _grad_buffers(hidden, weight, need_hidden, need_weight)
-        if weight.shape[0] == 0:
-            return stats, grad_hidden, grad_weight
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         for rows in self._chunks(hidden.shape[0], weight.shape[0]):
+            if weight.shape[0] == 0:  # an empty shard still joins each chunk's collectives
+                merge(stats, rows)
+                continue
             z = _logits(hidden[rows], weight, temperature)
             e = _chunk_stats(z, local[rows], owned[rows], stats, rows)
             del z
@@ -136,6 +137,11 @@ class TorchChunkedStages:
             _set_target_lane(d, local[rows], owned[rows], g_lp * merged.target_complement)
             _accumulate(d, hidden, weight, rows, grad_hidden, grad_weight)
         return stats, grad_hidden, grad_weight
+
+
+def default_chunk_size(vocab_local: int) -> int:
+    """Tokens per chunk when none is given: about `DEFAULT_CHUNK_ELEMENTS` logits."""
+    return max(1, DEFAULT_CHUNK_ELEMENTS // max(vocab_local, 1))
 
 
 def _empty_stats(hidden: torch.Tensor, weight: torch.Tensor) -> ShardStats:

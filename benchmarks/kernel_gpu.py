@@ -286,6 +286,26 @@ def lce_loss(hidden, weight, targets, mode):
     return lce.token_logprobs(hidden, weight, targets, backend="triton").logprobs
 
 
+def lce_fast_loss(hidden, weight, targets, mode):
+    return lce.linear_cross_entropy(hidden, weight, targets, backend="triton", fast=True)
+
+
+def main_grad_run(inp: dict, main_grad: torch.Tensor) -> Callable[[], tuple]:
+    """The mean loss with grad_weight added to ``main_grad`` (allocated by the caller, so the
+    peak above the inputs does not count it); returns its gradients as `grads_of` does."""
+
+    def run():
+        hidden = inp["hidden"].detach().requires_grad_()
+        weight = inp["weight"].detach().requires_grad_()
+        loss = lce.linear_cross_entropy(
+            hidden, weight, inp["targets"], backend="triton", grad_weight_into=main_grad
+        )
+        (grad_hidden,) = torch.autograd.grad(loss, (hidden,))
+        return loss.detach(), grad_hidden, main_grad
+
+    return run
+
+
 def peer_losses() -> dict[str, Callable]:
     """Liger FLCE and Apple CCE when their packages import (the wheels travel in .whl/)."""
     peers = {}
@@ -309,15 +329,31 @@ def peer_losses() -> dict[str, Callable]:
             return out if mode == "mean" else -out
 
         peers["Apple CCE"] = cce
+
+        def cce_compiled(hidden, weight, targets, mode):
+            reduction = "mean" if mode == "mean" else "none"
+            out = cce_lce(hidden, weight, targets, reduction=reduction, impl="torch_compile")
+            return out if mode == "mean" else -out
+
+        peers[kernel_targets.CCE_COMPILE] = cce_compiled
     except Exception as exc:
         print("cce unavailable:", exc)
     return peers
 
 
-def measure(name: str, fn: Callable, ref: dict | None, mode: str | None) -> dict:
+def measure(
+    name: str,
+    fn: Callable,
+    ref: dict | None,
+    mode: str | None,
+    reset: Callable[[], object] | None = None,
+) -> dict:
+    """Time, peak and errors of ``fn``; ``reset`` runs before the call whose errors count."""
     row = {"method": name, "mode": mode or "fwd"}
     try:
         row["ms"] = time_ms(fn)
+        if reset is not None:
+            reset()
         row["peak_gib"], out = peak_gib(fn)
         if ref is not None:
             loss, grad_hidden, grad_weight = out
@@ -355,6 +391,11 @@ def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
         measure("lce triton, fp32 grad_weight", grads_of(lce_loss, inp, "mean"), ref, "mean")
     )
     triton_config.GPU_CONFIG = saved
+    rows.append(measure(kernel_targets.LCE_FAST, grads_of(lce_fast_loss, inp, "mean"), ref, "mean"))
+    main_grad = torch.zeros(vocab, hidden_size, dtype=torch.float32, device="cuda")
+    run = main_grad_run(inp, main_grad)
+    rows.append(measure(kernel_targets.LCE_MAIN_GRAD, run, ref, "mean", reset=main_grad.zero_))
+    del main_grad, run
     rows.append(measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None))
     grads_gib = (num_tokens + vocab) * hidden_size * 2 / GIB
     return {"shape": shape, "T_H_V": SHAPES[shape], "grads_gib": grads_gib, "rows": rows}
@@ -429,6 +470,8 @@ def main() -> None:
     for result in report["shapes"]:
         if result["shape"] == TARGET_SHAPE:
             print_targets(result, report)
+    for result in report["shapes"]:
+        print_issue24_targets(result, report)
     Path(args.json).write_text(json.dumps(report, indent=1))
 
 
@@ -441,6 +484,17 @@ def print_targets(result: dict, report: dict) -> None:
         return
     report[f"targets_{result['shape']}"] = [v.row() for v in verdicts]
     print(f"\n## issue-3 targets at {result['shape']}\n{kernel_targets.format_verdicts(verdicts)}")
+
+
+def print_issue24_targets(result: dict, report: dict) -> None:
+    """Issue 24's verdicts at one shape, printed and stored in ``report``."""
+    verdicts, skipped = kernel_targets.judge_issue24(result["rows"], result["grads_gib"])
+    report[f"issue24_targets_{result['shape']}"] = {
+        "verdicts": [v.row() for v in verdicts],
+        "not_judged": skipped,
+    }
+    table = kernel_targets.format_verdicts(verdicts, skipped)
+    print(f"\n## issue-24 targets at {result['shape']}\n{table}")
 
 
 if __name__ == "__main__":

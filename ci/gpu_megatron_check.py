@@ -18,7 +18,7 @@ import json
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -81,7 +81,8 @@ class Ctx:
         return full[self.rank * size : (self.rank + 1) * size]
 
     def record(self, case: str, verdict: object) -> None:
-        self.rows.append({"tp": self.tp, "case": case, **verdict.to_json()})  # type: ignore[attr-defined]
+        out = {"output": verdict.output, "passed": verdict.passed, "detail": verdict.detail}  # type: ignore[attr-defined]
+        self.rows.append({"tp": self.tp, "case": case, **out})
 
     def check(self, case: str, ok: bool, detail: str) -> None:
         self.rows.append(check_row(self.tp, case, ok, detail))
@@ -192,6 +193,50 @@ def case_loss(ctx: Ctx, prob: Problem, hdtype, wdtype, sp: bool) -> None:
         ("grad_weight", gw_k, ctx.local_rows(ref.grad_weight), gw_b),
     ])  # fmt: skip
     ctx.check(name, gh_k.dtype == hdtype, f"grad_hidden dtype {gh_k.dtype} == hidden's {hdtype}")
+
+
+def case_main_grad(ctx: Ctx, prob: Problem, hdtype, wdtype, sp: bool, upstream: str) -> None:
+    """gradient_accumulation_fusion: the loss adds grad_weight into weight.main_grad (3 GEMMs).
+
+    Megatron's DDP gives each parameter an fp32 ``main_grad`` and ``grad_added_to_main_grad =
+    False``; both are set here as its constructor does (its buffers need CUDA). ``upstream``:
+    ``assumed`` (1 per token, the forward's assumption) or ``random`` (every row recomputed).
+    """
+    from lce.megatron import FusedOutputOptions, output_layer_loss
+    from verify.numerics.tolerances import dtype_key
+
+    if upstream == "assumed":
+        prob = replace(prob, g_loss=torch.ones_like(prob.g_loss))
+    layer = _column_layer(ctx, wdtype, sp, False, ctx.local_rows(prob.weight))
+    hidden = ctx.local_rows(prob.hidden) if sp else prob.hidden
+    labels, g = prob.labels.to(ctx.device), prob.g_loss.to(ctx.device)
+    ref = _token_reference(prob, hdtype, wdtype, 1.0, loss=True)
+    ref_gw = ctx.local_rows(ref.grad_weight)
+    gen = torch.Generator("cpu").manual_seed(SEED + 11)
+    # Old content at the gradient's scale, as after earlier micro-batches.
+    old = torch.randn(ref_gw.shape, generator=gen, dtype=torch.float64) * ref_gw.abs().max()
+    old = old.float().to(ctx.device)
+    h_b = _leaf(hidden, wdtype, ctx)  # B: the stock layer, without the fusion (needs APEX)
+    (_stock_loss(h_b, layer, labels) * g).sum().backward()
+    gh_b, gw_b = _grads(layer, h_b)
+    # The stock layer refuses the flag at construction without APEX's fused wgrad kernels.
+    layer.gradient_accumulation_fusion = True
+    layer.weight.main_grad = old.clone()
+    layer.weight.grad_added_to_main_grad = False
+    h_k = _leaf(hidden, hdtype, ctx)
+    loss_k = output_layer_loss(h_k, layer, labels, options=FusedOutputOptions(backend=ctx.backend))
+    (loss_k * g).sum().backward()
+    r_gh = ref.grad_hidden.view(S, B, H)
+    key = dtype_key(hdtype, wdtype)
+    name = f"main-grad/{key}/sp={int(sp)}/{upstream}"
+    _verdicts(ctx, name, key, [
+        ("loss", loss_k, (-ref.logprobs).view(S, B).T, None),
+        ("grad_hidden", h_k.grad, ctx.local_rows(r_gh) if sp else r_gh, gh_b),
+        ("grad_weight", layer.weight.main_grad - old, ref_gw, gw_b),
+    ])  # fmt: skip
+    dummy = layer.weight.grad
+    ok = layer.weight.grad_added_to_main_grad is True and dummy.shape == layer.weight.shape
+    ctx.check(name, ok, "weight.grad is megatron's dummy, grad_added_to_main_grad set")
 
 
 def case_logprobs(ctx: Ctx, prob: Problem, hdtype, wdtype, sp: bool) -> None:
@@ -405,6 +450,8 @@ def run_cases(ctx: Ctx) -> None:
         for sp in (False, True) if ctx.tp > 1 else (False,):  # megatron: SP needs TP > 1
             case_loss(ctx, plain, hdtype, wdtype, sp)
             case_logprobs(ctx, with_ignored, hdtype, wdtype, sp)
+            for upstream in ("assumed", "random"):
+                case_main_grad(ctx, with_ignored, hdtype, wdtype, sp, upstream)
     case_frozen_head(ctx, plain)
     case_tied_gpt(ctx, plain)
     case_fallback_bias(ctx, plain)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from lce.autograd import FusedLogprobEntropy, FusedScalarLoss, Plan
 from lce.backends import get_stages, resolve_backend_name
 from lce.backends.torch_chunked import default_chunk_size
+from lce.grad_buffer import loss_into_grad_buffer
 from lce.options import LCEOptions
 from lce.tp import CallShape, agree_on_call, resolve_shard, usable_group
 from lce.validation import check_inputs, check_reduction
@@ -78,11 +79,27 @@ def linear_cross_entropy(
     reduce_grad_hidden: bool = True,
     backend: str = "auto",
     chunk_size: int | None = None,
+    fast: bool = False,
+    grad_weight_into: torch.Tensor | None = None,
+    assumed_loss_grad: float = 1.0,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T / temperature`` against ``targets``, fp32.
 
     ``reduction``: ``"none"`` (per token, 0 where ignored), ``"sum"``, or ``"mean"`` over
     non-ignored tokens (NaN if all are ignored, as in PyTorch, with exactly zero gradients).
+    By default the gradients take 4 GEMMs (logits recomputed in backward) and little memory.
+
+    Args:
+        fast: ``"sum"``/``"mean"`` in 3 GEMMs: gradients computed in the forward pass, grad_weight
+            accumulated across token chunks in an fp32 ``[V_local, H]`` buffer (more memory).
+            No effect for ``"none"``: per-token upstream gradients need the 4-GEMM path.
+        grad_weight_into: an fp32 (fp64 for fp64 weights) ``[V_local, H]`` buffer, e.g.
+            Megatron's ``weight.main_grad``: 3 GEMMs, the weight gradient is added to it (one
+            fp32 accumulation, no buffer of lce's own) and ``weight.grad`` is left alone (see
+            `lce.grad_buffer.LossIntoGradBuffer` for Megatron's DDP flags).
+        assumed_loss_grad: with ``grad_weight_into``, the upstream gradient the caller will put
+            on the loss (on each token's loss for ``"none"``), which the forward assumes; any
+            other stays exact but recomputes the logits of the rows where it differs.
     Other arguments as in `token_logprobs`.
     """
     options = LCEOptions(
@@ -91,11 +108,11 @@ def linear_cross_entropy(
         chunk_size=chunk_size,
     )  # fmt: skip
     plan = _plan(hidden, weight, targets, options, reduction)
-    if (
-        reduction != "none"
-        and _grads_wanted(hidden, weight)
-        and hasattr(plan.stages, "loss_grads_in_forward")
-    ):
+    if grad_weight_into is not None and _grads_wanted(hidden, weight):
+        return loss_into_grad_buffer(
+            hidden, weight, targets, plan, grad_weight_into, reduction, assumed_loss_grad
+        )
+    if fast and reduction != "none" and _grads_wanted(hidden, weight):
         return FusedScalarLoss.apply(
             hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), plan, reduction
         )

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from lce.backends.base import (
-    BackwardRows,
-    ShardStats,
-    StageBackend,
-    accumulation_dtype,
-    select_rows,
-)
+from lce.backends.base import BackwardRows, StageBackend, accumulation_dtype
+from lce.loss_pass import loss_pass
 from lce.options import LCEOptions
 from lce.tp import GlobalStats, VocabShard, merge_stats, reduce_grad_hidden
 from lce.validation import raise_on_bad_targets
@@ -31,7 +27,7 @@ class Plan:
     stages: StageBackend
 
 
-def _kernel_targets(targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kernel_ids(targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ignored, ids)``: int64 ids with ignored rows replaced by `IGNORED`."""
     ignored = targets == ignore_index
     return ignored, torch.where(ignored, IGNORED, targets.long())
@@ -54,7 +50,7 @@ class FusedLogprobEntropy(torch.autograd.Function):
         plan: Plan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ignore_index, shard = plan.options.ignore_index, plan.shard
-        ignored, kernel_targets = _kernel_targets(targets, ignore_index)
+        ignored, kernel_targets = kernel_ids(targets, ignore_index)
         stats = plan.stages.forward_stats(
             hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start,
             plan.options.temperature,
@@ -121,9 +117,11 @@ class FusedLogprobEntropy(torch.autograd.Function):
 class FusedScalarLoss(torch.autograd.Function):
     """``sum`` or ``mean`` cross-entropy with its gradients computed during the forward pass.
 
-    For backends with ``loss_grads_in_forward``: the upstream gradient of a scalar loss is known up
-    to one factor, so each logits chunk is computed once (3 GEMMs instead of 4); backward only
-    scales the saved fp32 gradients by ``grad_output``. Same contract as `FusedLogprobEntropy`.
+    The fast mode (``linear_cross_entropy(..., fast=True)``): the upstream gradient of a scalar
+    loss is known up to one factor, so each logits chunk is computed once (3 GEMMs instead of 4)
+    and grad_weight accumulates across token chunks in an fp32 ``[V_local, H]`` buffer of its own;
+    backward only scales the saved fp32 gradients by ``grad_output``. Same contract as
+    `FusedLogprobEntropy`.
     """
 
     @staticmethod
@@ -136,25 +134,14 @@ class FusedScalarLoss(torch.autograd.Function):
         reduction: str,
     ) -> torch.Tensor:
         ignore_index, shard = plan.options.ignore_index, plan.shard
-        ignored, kernel_targets = _kernel_targets(targets, ignore_index)
-        owned = shard.owns(kernel_targets)
+        ignored, ids = kernel_ids(targets, ignore_index)
         valid_count = (~ignored).sum()
         acc = accumulation_dtype(weight.dtype)
         scale = 1.0 if reduction == "sum" else 1.0 / valid_count.clamp_min(1).to(acc)
         grad_logprob = torch.where(ignored, 0.0, -scale).to(acc)
-        per_token = torch.zeros(2, targets.shape[0], dtype=acc, device=targets.device)
-        logprobs, owners = per_token.unbind(0)
-
-        def merge(stats: ShardStats, rows: slice) -> GlobalStats:
-            merged = merge_stats(select_rows(stats, rows), owned[rows], shard.group)
-            logprobs[rows] = merged.logprob
-            owners[rows] = merged.owners
-            return merged
-
-        _, grad_hidden, grad_weight = plan.stages.loss_grads_in_forward(
-            hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start,
-            plan.options.temperature, merge, grad_logprob, ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
+        logprobs, owners, grad_hidden, grad_weight = loss_pass(
+            plan.stages, hidden.to(weight.dtype), weight, ids, shard, plan.options.temperature,
+            grad_logprob, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
         )  # fmt: skip
         raise_on_bad_targets(targets, owners, ignore_index)
         if grad_hidden is not None and plan.options.reduce_grad_hidden:
@@ -173,7 +160,7 @@ class FusedScalarLoss(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         scaled = [
-            None if grad is None else (grad * grad_loss).to(dtype)
+            None if grad is None else scaled_copy(grad, grad_loss, dtype)
             for grad, dtype in ((grad_hidden, hidden_dtype), (grad_weight, weight_dtype))
         ]
         return (*scaled, None, None, None)
@@ -186,3 +173,18 @@ def _double_backward_error(unsupported: str) -> RuntimeError:
         f"supported by {unsupported}; it is by backend='torch' without TP on the per-token "
         "outputs: token_logprobs, or linear_cross_entropy(..., reduction='none') reduced by you"
     )
+
+
+# Rows of one block of `scaled_copy`: its fp32 temporary stays near this many bytes.
+SCALE_BLOCK_BYTES = 64 << 20
+
+
+def scaled_copy(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(grad * factor).to(dtype)`` block by block: no second full-size fp32 temporary next to
+    the saved fp32 gradient (2 GiB for grad_weight at llama3-8k)."""
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    row_bytes = math.prod(grad.shape[1:]) * grad.element_size()
+    step = max(1, SCALE_BLOCK_BYTES // max(1, row_bytes))
+    for start in range(0, grad.shape[0], step):
+        out[start : start + step] = grad[start : start + step] * factor
+    return out

@@ -32,10 +32,12 @@ def _check_script():
 EXPECTED = {
     1: ("loss/fp32/sp=0", "loss/bf16/sp=0", "loss/fp32_bf16/sp=0", "logprobs/fp32/sp=0",
         "logprobs/bf16/sp=0", "logprobs/fp32_bf16/sp=0", "stock-fallback/fp32", "tied-gpt/fp32",
-        "frozen-head/fp32/sp=0", "fallback-bias"),
+        "frozen-head/fp32/sp=0", "fallback-bias", "main-grad/fp32/sp=0/assumed",
+        "main-grad/bf16/sp=0/random", "main-grad/fp32_bf16/sp=0/assumed"),
     2: ("loss/fp32/sp=1", "loss/bf16/sp=1", "loss/fp32_bf16/sp=1", "logprobs/fp32/sp=1",
         "logprobs/bf16/sp=1", "logprobs/fp32_bf16/sp=1", "tied-gpt/fp32", "tied-gpt-logprobs/fp32",
-        "frozen-head/fp32/sp=1", "fallback-warning"),
+        "frozen-head/fp32/sp=1", "fallback-warning", "main-grad/fp32/sp=1/random",
+        "main-grad/bf16/sp=0/assumed", "main-grad/fp32_bf16/sp=1/random"),
 }  # fmt: skip
 
 

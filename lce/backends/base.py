@@ -68,8 +68,9 @@ def select_rows(per_token: Any, rows: slice) -> Any:
 class StageBackend(Protocol):
     """What a backend provides; `lce.autograd` does the rest (TP merge, masking, reduction).
 
-    A backend may also offer ``loss_grads_in_forward`` (see `TorchChunkedStages`): stats and the
-    gradients of a scalar loss in one pass over the logits, which `lce.linear_cross_entropy` uses.
+    Both backends also offer ``loss_grads_in_forward`` and ``loss_chunk_rows`` (see
+    `TorchChunkedStages`): stats and the gradients of a loss whose upstream gradient is known, in
+    one pass over the logits (the 3-GEMM paths of `lce.linear_cross_entropy`).
     """
 
     def forward_stats(

@@ -31,8 +31,12 @@ class TorchChunkedStages:
         self.chunk_size = chunk_size
 
     def _chunks(self, num_tokens: int, vocab_local: int) -> Iterator[slice]:
-        size = self.chunk_size or default_chunk_size(vocab_local)
+        size = self.loss_chunk_rows(num_tokens, vocab_local, 0)
         return (slice(start, start + size) for start in range(0, num_tokens, size))
+
+    def loss_chunk_rows(self, num_tokens: int, vocab_local: int, itemsize: int) -> int:
+        """Tokens per chunk: ``chunk_size``, else ~64 MiB of fp32 logits (``itemsize`` unused)."""
+        return self.chunk_size or default_chunk_size(vocab_local)
 
     def forward_stats(
         self,
@@ -112,18 +116,30 @@ class TorchChunkedStages:
         grad_logprob: torch.Tensor,
         need_hidden: bool,
         need_weight: bool,
+        grad_weight_out: torch.Tensor | None = None,
+        chunk_rows: int | None = None,
     ) -> tuple[ShardStats, torch.Tensor | None, torch.Tensor | None]:
         """Forward statistics and the gradients of ``sum(grad_logprob * logprobs)`` in one pass.
 
         For a loss whose upstream gradient is known before backward (sum/mean): each chunk's
         logits are computed once (3 GEMMs in all instead of 4). ``merge(stats, rows)`` turns the
         chunk's shard stats into the global row stats of those rows (TP collectives included).
+        ``grad_weight_out``: an fp32 (fp64 for fp64 weights) ``[V_local, H]`` buffer the weight
+        gradient is added to (and returned) instead of a new zeroed one. ``chunk_rows``: tokens
+        per chunk (default `loss_chunk_rows`); under TP every rank must use the same, since each
+        chunk merges its rows over the group (an empty shard merges its empty statistics).
         """
         stats = _empty_stats(hidden, weight)
-        grad_hidden, grad_weight = _grad_buffers(hidden, weight, need_hidden, need_weight)
+        grad_hidden, grad_weight = _grad_buffers(
+            hidden, weight, need_hidden, need_weight and grad_weight_out is None
+        )
+        if need_weight and grad_weight_out is not None:
+            grad_weight = grad_weight_out
+        step = chunk_rows or self.loss_chunk_rows(hidden.shape[0], weight.shape[0], 0)
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
-        for rows in self._chunks(hidden.shape[0], weight.shape[0]):
-            if weight.shape[0] == 0:  # an empty shard still joins each chunk's collectives
+        for start in range(0, hidden.shape[0], step):
+            rows = slice(start, start + step)
+            if weight.shape[0] == 0:
                 merge(stats, rows)
                 continue
             z = _logits(hidden[rows], weight, temperature)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-from lce.api import TokenOutputs, token_logprobs
+from lce.api import TokenOutputs, linear_cross_entropy, token_logprobs
 from lce.megatron.head import check_output_layer, resolve_head, tp_group_of, unsupported_reason
 from lce.megatron.stock import stock_logits, stock_token_outputs
 
@@ -25,6 +25,10 @@ class FusedOutputOptions:
     ignore_index: int = -100
     backend: str = "auto"
     chunk_size: int | None = None
+    # The gradient the trainer's loss puts on each token's loss, which the main_grad path (see
+    # `output_layer_loss`) assumes: 1.0 with calculate_per_token_loss and no loss scaling; else
+    # the loss scale / (tokens x micro-batches). Any other upstream stays exact, at a recompute.
+    assumed_loss_grad: float = 1.0
 
 
 _WARNED: set[str] = set()
@@ -77,7 +81,15 @@ def output_layer_loss(
     options: FusedOutputOptions | None = None,
 ) -> torch.Tensor:
     """Per-token fp32 cross-entropy ``[B, S]``, what ``GPTModel.compute_language_model_loss``
-    returns (apply the loss mask and reduce as usual). Arguments as `output_layer_logprobs`."""
+    returns (apply the loss mask and reduce as usual). Arguments as `output_layer_logprobs`.
+
+    With ``gradient_accumulation_fusion`` (the layer's flag) and an fp32 ``weight.main_grad``
+    (Megatron's DDP), the loss takes the 3-GEMM path that adds the weight gradient straight into
+    main_grad and returns what megatron-core's own layers return for the weight (see
+    `lce.grad_buffer.LossIntoGradBuffer`); its forward assumes each token's loss gets
+    ``options.assumed_loss_grad`` (tokens whose upstream differs, e.g. loss-masked ones, are
+    recomputed in backward). Otherwise the weight gets an ordinary ``.grad``.
+    """
     options = options or FusedOutputOptions()
     return -_outputs(hidden, output_layer, labels, weight, options, False).logprobs
 
@@ -106,8 +118,23 @@ def _outputs(
             logits, targets, tp_group_of(output_layer), options.ignore_index, with_entropy
         )
     else:
-        out = _fused(hidden, output_layer, targets, weight, options)
+        out = _fused(hidden, output_layer, targets, weight, options, with_entropy)
     return TokenOutputs(*(None if t is None else t.transpose(0, 1).contiguous() for t in out))
+
+
+def fused_main_grad(output_layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 ``weight.main_grad`` the stock layer would accumulate into, or None.
+
+    As ColumnParallelLinear: only with the layer's ``gradient_accumulation_fusion`` and a weight
+    that has ``main_grad`` (set by Megatron's DDP). A low-precision main_grad, or a frozen weight,
+    takes the ordinary ``.grad`` path, which Megatron's DDP hook adds to main_grad.
+    """
+    if not getattr(output_layer, "gradient_accumulation_fusion", False):
+        return None
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None or main_grad.dtype != torch.float32 or not weight.requires_grad:
+        return None
+    return main_grad
 
 
 def _fused(
@@ -116,6 +143,7 @@ def _fused(
     targets: torch.Tensor,
     weight: torch.Tensor | None,
     options: FusedOutputOptions,
+    with_entropy: bool,
 ) -> TokenOutputs:
     head = resolve_head(output_layer, weight)
     if head.sequence_parallel:
@@ -124,18 +152,20 @@ def _fused(
             hidden, tensor_parallel_output_grad=True, group=head.tp_group
         )
     _check_sequence(hidden, targets)
-    return token_logprobs(
-        hidden,
-        head.weight,
-        targets,
-        ignore_index=options.ignore_index,
-        temperature=options.temperature,
-        tp_group=head.tp_group,
-        vocab_start=head.vocab_start,
-        reduce_grad_hidden=not head.sequence_parallel,
-        backend=options.backend,
+    common = dict(
+        ignore_index=options.ignore_index, temperature=options.temperature,
+        tp_group=head.tp_group, vocab_start=head.vocab_start,
+        reduce_grad_hidden=not head.sequence_parallel, backend=options.backend,
         chunk_size=options.chunk_size,
-    )
+    )  # fmt: skip
+    main_grad = None if with_entropy else fused_main_grad(output_layer, head.weight)
+    if main_grad is not None:
+        losses = linear_cross_entropy(
+            hidden, head.weight, targets, reduction="none", grad_weight_into=main_grad,
+            assumed_loss_grad=options.assumed_loss_grad, **common,
+        )  # fmt: skip
+        return TokenOutputs(-losses, None)
+    return token_logprobs(hidden, head.weight, targets, **common)
 
 
 def _check_sequence(full: torch.Tensor, targets: torch.Tensor) -> None:

@@ -154,6 +154,7 @@ def _property_gaps(adapter: Adapter, tp_sizes: tuple[int, ...]) -> list[Untested
         "determinism": (caps.deterministic, "bit-identical reruns not claimed"),
         "status": (caps.validates_inputs, "input validation not claimed"),
         "double_backward": (adapter.name == "lce", "lce's own create_graph contract"),
+        "main_grad": ("main_grad" in caps.loss_paths, "no main_grad loss path claimed"),
     }
     for name, (ok, reason) in needs.items():
         if not ok:

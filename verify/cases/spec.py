@@ -46,6 +46,9 @@ UPSTREAMS = ("ones", "scalar", "random", "zero_row0", "strided", "expanded", "lo
 # twice: retain_graph and a second backward (must give the same gradients)
 GRADS = ("both", "hidden", "weight", "none", "twice")
 BACKENDS = ("torch", "triton")
+# The scalar loss's paths in lce: 4 GEMMs, 3 GEMMs with an fp32 buffer of its own (fast=True), 3
+# GEMMs into a caller's main_grad (grad_weight_into; adapters report what main_grad gained).
+LOSS_PATHS = ("default", "fast", "main_grad")
 # Invalid inputs for the status-agreement property; "none" is a valid case.
 FAULTS = (
     "none",
@@ -74,7 +77,11 @@ LINEARITY_A = -0.75
 
 # Fields added after specs were first saved, with their defaults (omitted from `CaseSpec.to_json`
 # at them).
-WRITTEN_WHEN_SET: dict[str, Any] = {"shards": None, "ignore_index": IGNORE_INDEX}
+WRITTEN_WHEN_SET: dict[str, Any] = {
+    "shards": None,
+    "ignore_index": IGNORE_INDEX,
+    "loss_path": "default",
+}
 
 
 class SpecError(ValueError):
@@ -119,6 +126,7 @@ class CaseSpec:
     transform: str = "none"
     shards: tuple[int, ...] | None = None
     ignore_index: int = IGNORE_INDEX
+    loss_path: str = "default"
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -143,6 +151,11 @@ class CaseSpec:
             raise SpecError(
                 f"shards must be tp={self.tp} sizes >= 0 summing to vocab={self.vocab}, "
                 f"got {self.shards}"
+            )
+        if self.loss_path == "main_grad" and self.grads == "twice":
+            raise SpecError(
+                "loss_path main_grad adds to main_grad on every backward: grads='twice' (two "
+                "backwards compared bit for bit) does not apply"
             )
         if self.tied and self.tp != 1:
             raise SpecError("tied=True needs tp=1 (a vocab-parallel embedding is not modelled)")
@@ -233,6 +246,7 @@ _CHOICES = {
     "backend": BACKENDS,
     "fault": FAULTS,
     "transform": TRANSFORMS,
+    "loss_path": LOSS_PATHS,
     "hidden_dtype": tuple(DTYPES),
     "weight_dtype": tuple(DTYPES),
 }

@@ -102,9 +102,10 @@ def case_specs(
     tp_sizes: tuple[int, ...] = (1,),
     pairs: tuple[tuple[str, str], ...] = DTYPE_PAIRS,
     max_tokens: int = 24,
+    loss_paths: tuple[str, ...] = ("default",),
 ) -> CaseSpec:
     """A valid case reaching the input classes of docs/DESIGN.md, at one of ``tp_sizes`` and
-    ``backends``."""
+    ``backends``, its loss computed by one of ``loss_paths`` (`verify.cases.spec.LOSS_PATHS`)."""
     tp = draw(st.sampled_from(tp_sizes))
     backend = draw(st.sampled_from(backends))
     if backend == "triton":  # Triton refuses fp64 weights (its kernels compute in fp32)
@@ -113,7 +114,7 @@ def case_specs(
     regime, scale, offset = draw(logit_regimes(dtype_key(hidden_dtype, weight_dtype)))
     hidden_size = draw(hidden_sizes().filter(lambda h: h >= 2 or regime == "normal"))
     vocab = draw(vocab_sizes(min_vocab=tp))
-    return CaseSpec(
+    spec = CaseSpec(
         tokens=draw(token_counts(max_tokens)),
         hidden_size=hidden_size,
         vocab=vocab,
@@ -138,6 +139,11 @@ def case_specs(
         seed=draw(seeds()),
         ignore_index=draw(ignore_indices(vocab)),
     )
+    # main_grad adds to its buffer on every backward: two backwards differ by design.
+    paths = [p for p in loss_paths if p != "main_grad" or spec.grads != "twice"] or ["default"]
+    if len(paths) == 1:  # no draw: the default strategy's examples stay what they were
+        return spec.with_(loss_path=paths[0])
+    return spec.with_(loss_path=draw(st.sampled_from(paths)))
 
 
 def landmark_specs(

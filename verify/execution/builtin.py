@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import lce
-from verify.cases.spec import BACKENDS
+from verify.cases.spec import BACKENDS, LOSS_PATHS
 from verify.execution.interface import Adapter, AdapterError, Call, Capabilities, NumericalContract
 
 # What lce raises on an input it refuses; any other exception is a bug (it propagates).
@@ -29,9 +29,49 @@ def _lce_tokens(call: Call) -> dict[str, torch.Tensor]:
 
 
 def _lce_loss(call: Call, reduction: str) -> torch.Tensor:
+    kwargs = _lce_kwargs(call)
+    weight = call.weight
+    if call.loss_path == "fast":
+        kwargs["fast"] = True
+    elif call.loss_path == "main_grad" and weight.requires_grad and torch.is_grad_enabled():
+        weight, kwargs["grad_weight_into"] = main_grad_weight(weight)
     return lce.linear_cross_entropy(
-        call.hidden, call.weight, call.targets, reduction=reduction, **_lce_kwargs(call)
+        call.hidden, weight, call.targets, reduction=reduction, **kwargs
     )
+
+
+def main_grad_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` as Megatron's DDP presents it to a fused layer, and its main_grad.
+
+    main_grad starts with old content (random, at the weight's scale), the returned view carries
+    DDP's flags with ``zero_out_wgrad`` (lce then returns a zero dummy gradient), and its backward
+    hands ``weight`` what main_grad gained since the last backward, as DDP's hook would add a
+    real ``.grad``: the engine's gradient checks then judge what main_grad received.
+    """
+    gen = torch.Generator().manual_seed(weight.numel())
+    scale = weight.detach().abs().amax().item() if weight.numel() else 1.0  # empty shards too
+    old = torch.randn(weight.shape, generator=gen) * scale
+    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    main_grad = old.to(device=weight.device, dtype=acc)
+    view = _MainGradView.apply(weight, main_grad)
+    view.grad_added_to_main_grad = False
+    view.zero_out_wgrad = True
+    return view, main_grad
+
+
+class _MainGradView(torch.autograd.Function):
+    """Identity on the weight; backward adds what ``main_grad`` gained since the last backward."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+        ctx.main_grad, ctx.seen = main_grad, main_grad.clone()
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        gained = ctx.main_grad - ctx.seen
+        ctx.seen = ctx.main_grad.clone()
+        return grad + gained.to(grad.dtype), None
 
 
 def _lce_kwargs(call: Call) -> dict:
@@ -46,7 +86,7 @@ def lce_adapter(backends: tuple[str, ...] = BACKENDS) -> Adapter:
     """lce itself; ``Call.backend`` picks the backend among ``backends``."""
     caps = Capabilities(
         temperature=True, tensor_parallel=True, chunk_size=True, backends=backends,
-        deterministic=True, validates_inputs=True,
+        deterministic=True, validates_inputs=True, loss_paths=LOSS_PATHS,
     )  # fmt: skip
     return Adapter(
         "lce", ("logprobs", "entropy", "loss"), _lce_tokens, _lce_loss, caps,

@@ -120,7 +120,7 @@ def _run(
         return Call(
             inputs.head_hidden(), inputs.weight, inputs.targets, inputs.ignore_index,
             inputs.temperature, rank.tp_group if spec.tp > 1 else None, inputs.vocab_start,
-            spec.reduce_hidden, spec.backend, spec.chunk_size,
+            spec.reduce_hidden, spec.backend, spec.chunk_size, spec.loss_path,
         )  # fmt: skip
 
     result: dict[str, Any] = {"status": "ok"}

@@ -41,7 +41,8 @@ class Call:
     without TP; ``vocab_start`` None means ``rank * V_local``); ``reduce_grad_hidden`` False asks
     for this rank's partial grad_hidden (the harness sums the ranks', like a reduce-scatter).
     ``backend``/``chunk_size``: the spec's values, for implementations that claim them
-    (`Capabilities.backends`, ``chunk_size``).
+    (`Capabilities.backends`, ``chunk_size``). ``loss_path``: which of lce's scalar-loss paths
+    (`verify.cases.spec.LOSS_PATHS`); other implementations have one and ignore it.
     """
 
     hidden: torch.Tensor
@@ -54,6 +55,7 @@ class Call:
     reduce_grad_hidden: bool = True
     backend: str = "torch"
     chunk_size: int | None = None
+    loss_path: str = "default"
 
 
 # token_outputs(call) -> {"logprobs": [..targets shape], "entropy": [..] (if claimed)}
@@ -76,7 +78,9 @@ class Capabilities:
     (gradients add up through autograd). ``chunk_size``: honours ``Call.chunk_size`` (the result
     must not depend on it). ``backends``: values of ``Call.backend`` it distinguishes.
     ``deterministic``: claims bit-identical reruns. ``validates_inputs``: raises on invalid input
-    (target out of range, temperature <= 0, shape mismatch) naming the argument.
+    (target out of range, temperature <= 0, shape mismatch) naming the argument. ``loss_paths``:
+    values of ``Call.loss_path`` it distinguishes (``main_grad``: its loss adds the weight
+    gradient into a caller's buffer, checked by the main_grad property).
     """
 
     reductions: tuple[str, ...] = REDUCTIONS
@@ -93,6 +97,7 @@ class Capabilities:
     backends: tuple[str, ...] = ("torch",)
     deterministic: bool = False
     validates_inputs: bool = False
+    loss_paths: tuple[str, ...] = ("default",)
 
     def __post_init__(self) -> None:
         _subset("reductions", self.reductions, REDUCTIONS)

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 
 from verify.cases.spec import CaseSpec
 from verify.execution.runner import Runner
-from verify.properties import differential, double_backward, metamorphic, peers, status
+from verify.properties import (
+    differential,
+    double_backward,
+    main_grad,
+    metamorphic,
+    peers,
+    status,
+)
 from verify.properties.verdict import PropertyVerdict
 
 Check = Callable[[CaseSpec, Runner], list[PropertyVerdict]]
@@ -45,6 +52,7 @@ PROPERTIES: dict[str, Property] = {
         _entry("torch_peer", "peer", peers.torch_peer),
         _entry("megatron_peer", "peer", peers.megatron_peer),
         _entry("status", "status", status.status_agreement),
+        _entry("main_grad", "differential", main_grad.main_grad_accumulation),
     )
 }
 

@@ -61,6 +61,10 @@ class MutantStages:
     def backward_grads(self, hidden, weight, targets, vocab_start, temperature, *rest):
         return self.inner.backward_grads(hidden, weight, targets, vocab_start, temperature, *rest)
 
+    def loss_grads_in_forward(self, *args):
+        # The planted bugs bend the two 4-GEMM stages; the 3-GEMM loss paths run unbent.
+        return self.inner.loss_grads_in_forward(*args)
+
 
 def _recentre(stats: ShardStats, new_max: torch.Tensor) -> ShardStats:
     """``stats`` re-centred on ``new_max`` in their own dtype (so lanes underflow exactly as a

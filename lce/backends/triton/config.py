@@ -93,6 +93,7 @@ class TritonConfig:
     use_tma: bool = True
     grad_weight_fp32: bool = False
     persistent: bool = True
+    loss_chunk_bytes: int = 5 << 28
 
     def __post_init__(self) -> None:
         if self.fp32_precision not in FP32_PRECISIONS:
@@ -101,8 +102,9 @@ class TritonConfig:
             )
         if self.tiles_per_program < 1:
             raise ValueError(f"tiles_per_program must be >= 1, got {self.tiles_per_program}")
-        if self.chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        for name in ("chunk_bytes", "loss_chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 # The interpreter pays ~10 ms per program step whatever the block size: few, large tiles.
@@ -111,6 +113,7 @@ INTERPRETER_CONFIG = TritonConfig(
     backward=TileShape(block_t=64, block_v=256, block_h=64, num_warps=4, num_stages=1),
     tiles_per_program=4,
     chunk_bytes=1 << 20,
+    loss_chunk_bytes=1 << 20,
 )
 
 # Hopper (H100/H200) bf16, picked by benchmarks/kernel_gpu.py's sweep (see docs/bench/triton.md).

@@ -3,7 +3,8 @@
 Forward: `forward_kernel` (one pass of logits tiles, online softmax). Backward: per vocab chunk,
 `backward_kernel` recomputes logits and writes d_logits, then two GEMMs (`lce.backends.gemm`)
 accumulate grad_hidden and write grad_weight in fp32. With ``chunk_size`` both run per block of
-tokens.
+tokens. The 3-GEMM loss (`loss_grads_in_forward`): per token chunk, a cuBLAS logits GEMM, the
+row kernels of `loss_kernels`, and the two gradient GEMMs.
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ import torch
 
 from lce.backends.base import BackwardRows, ShardStats, select_rows
 from lce.backends.gemm import addmm_, mm_into
+from lce.backends.torch_chunked import GlobalMerge
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.config import TritonConfig, default_config
 from lce.backends.triton.forward_kernel import forward_partials, merge_partials
+from lce.backends.triton.loss_kernels import row_dlogits, row_stats_into
+
+# Token rows of a logits chunk are rounded to this (the GEMMs' tile multiple) when they fit.
+LOSS_ROW_ALIGN = 256
 
 
 def _check_operands(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
@@ -143,6 +149,72 @@ class TritonStages:
                 if grad_hidden is not None:
                     addmm_(grad_hidden[block], d_logits, weight[chunk])
         return grad_hidden, grad_weight
+
+    def loss_grads_in_forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_start: int,
+        temperature: float,
+        merge: GlobalMerge,
+        grad_logprob: torch.Tensor,
+        need_hidden: bool,
+        need_weight: bool,
+        grad_weight_out: torch.Tensor | None = None,
+        chunk_rows: int | None = None,
+    ) -> tuple[ShardStats, torch.Tensor | None, torch.Tensor | None]:
+        """See `lce.backends.torch_chunked.TorchChunkedStages.loss_grads_in_forward`.
+
+        Per token chunk: logits by cuBLAS in weight's dtype (GEMM 1; rounded like the stock path's
+        and the torch backend's logits), `row_stats_into`, ``merge``, `row_dlogits` in place, then
+        grad_hidden rows (GEMM 2) and the fp32 grad_weight accumulation (GEMM 3, into
+        ``grad_weight_out`` when given).
+        """
+        _check_operands(hidden, weight, targets)
+        (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
+        device = hidden.device
+        stats = torch.zeros(5, num_tokens, dtype=torch.float32, device=device)
+        stats[0] = float("-inf")
+        grad_hidden = None
+        if need_hidden:
+            grad_hidden = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=device)
+        grad_weight = grad_weight_out if need_weight else None
+        if need_weight and grad_weight is None:
+            grad_weight = torch.zeros(vocab_local, hidden_size, dtype=torch.float32, device=device)
+        shard_stats = ShardStats(*stats.unbind(0))
+        step = chunk_rows or self.loss_chunk_rows(num_tokens, vocab_local, weight.element_size())
+        buffer = torch.empty(min(step, num_tokens), vocab_local, dtype=weight.dtype, device=device)
+        targets = targets.contiguous()
+        for start in range(0, num_tokens, step):
+            rows = slice(start, min(start + step, num_tokens))
+            if vocab_local == 0:  # an empty shard still takes part in each chunk's merge
+                merge(shard_stats, rows)
+                continue
+            logits = buffer[: rows.stop - start]
+            mm_into(hidden[rows], weight.T, out=logits)  # then d_logits, in place
+            row_stats_into(logits, targets[rows], vocab_start, temperature, stats[:, rows])
+            merged = merge(shard_stats, rows)
+            g_lp = grad_logprob[rows].float() / temperature
+            row_dlogits(
+                logits, logits, targets[rows], vocab_start, temperature,
+                merged.max.contiguous(), merged.log_sumexp.contiguous(), (-g_lp).contiguous(),
+                (g_lp * merged.target_complement).contiguous(),
+            )  # fmt: skip
+            if grad_hidden is not None:
+                mm_into(logits, weight, out=grad_hidden[rows])
+            if grad_weight is not None:
+                addmm_(grad_weight, logits.T, hidden[rows])
+        return shard_stats, grad_hidden, grad_weight
+
+    def loss_chunk_rows(self, num_tokens: int, vocab_local: int, itemsize: int) -> int:
+        """Token rows per logits chunk: at most ``loss_chunk_bytes`` worth, the chunks of one
+        call equal and a multiple of `LOSS_ROW_ALIGN` where that fits (GEMM tiles)."""
+        num_tokens = max(num_tokens, 1)
+        most = max(1, self._config().loss_chunk_bytes // (itemsize * max(vocab_local, 1)))
+        rows = -(-num_tokens // -(-num_tokens // most))  # ceil(T / number of chunks)
+        aligned = -(-rows // LOSS_ROW_ALIGN) * LOSS_ROW_ALIGN
+        return min(num_tokens, aligned if aligned <= most else rows)
 
     @staticmethod
     def _chunk_width(num_tokens: int, vocab_local: int, itemsize: int, config: TritonConfig) -> int:

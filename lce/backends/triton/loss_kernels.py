@@ -1,0 +1,156 @@
+"""Row kernels of the 3-GEMM loss: over a materialized ``[rows, V_local]`` logits chunk in weight's
+dtype (raw dots, no temperature), the shard statistics, then d_logits written over it in place.
+
+The GEMMs around them are cuBLAS's (`lce.backends.gemm`); these kernels are memory-bound
+sweeps, one program per token row walking the vocabulary in ascending tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lce.backends.triton.config import interpreting
+from lce.backends.triton.tiles import round_bf16_rne
+
+BLOCK_V = 2048  # 8 warps: 8 elements per thread per step
+BLOCK_V_INTERPRETED = 256
+
+
+@triton.jit
+def _row_stats_kernel(
+    logits_ptr,
+    targets_ptr,
+    stats_ptr,
+    plane,
+    V,
+    vocab_start,
+    inv_temp,
+    stride_lt,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    local_target = tl.load(targets_ptr + row) - vocab_start
+    # Per lane: a running max in raw dot units (centred before the 1/T scale, as the forward
+    # kernel does, so the max lane's centred value is exactly 0) and sums centred on it. Lanes
+    # merge once at the end: the sweep itself has no cross-thread reduction.
+    lane_max = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
+    lane_sum = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    lane_sum_z = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    lane_others = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    lane_target = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for tile_start in range(0, V, BLOCK_V):
+        offs = tile_start + cols
+        in_v = offs < V
+        acc = tl.load(logits_ptr + row * stride_lt + offs, mask=in_v, other=float("-inf"))
+        acc = acc.to(tl.float32)
+        is_target = offs == local_target
+        lane_target = tl.where(is_target, acc, lane_target)
+        new_max = tl.maximum(lane_max, acc)
+        seen = lane_max > float("-inf")  # guards keep unseen lanes from inf - inf
+        shift = tl.where(seen, (lane_max - tl.where(seen, new_max, 0.0)) * inv_temp, 0.0)
+        scale = tl.where(seen, tl.exp(shift), 0.0)
+        centred = tl.where(in_v, (acc - tl.where(in_v, new_max, 0.0)) * inv_temp, 0.0)
+        e = tl.where(in_v, tl.exp(centred), 0.0)
+        lane_sum_z = scale * (lane_sum_z + shift * lane_sum) + e * centred
+        lane_sum = scale * lane_sum + e
+        lane_others = scale * lane_others + tl.where(is_target, 0.0, e)
+        lane_max = new_max
+    row_max = tl.max(lane_max, axis=0)
+    seen = lane_max > float("-inf")
+    shift = tl.where(seen, (lane_max - row_max) * inv_temp, 0.0)
+    scale = tl.where(seen, tl.exp(shift), 0.0)
+    out = stats_ptr + row
+    tl.store(out, row_max * inv_temp)
+    tl.store(out + plane, tl.sum(scale * lane_sum, axis=0))
+    tl.store(out + 2 * plane, tl.sum(scale * (lane_sum_z + shift * lane_sum), axis=0))
+    tl.store(out + 3 * plane, tl.sum(lane_target, axis=0) * inv_temp)
+    tl.store(out + 4 * plane, tl.sum(scale * lane_others, axis=0))
+
+
+def row_stats_into(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    temperature: float,
+    out: torch.Tensor,
+) -> None:
+    """`ShardStats` of ``logits / temperature`` (``[rows, V_local]``, unit column stride)
+    against int64 global ``targets`` (-1: ignored, owned by no shard), written into fp32
+    ``out[5, rows]`` (the `ShardStats` fields in order, unit row stride)."""
+    num_rows, vocab = logits.shape
+    _row_stats_kernel[(num_rows,)](
+        logits, targets, out, out.stride(0), vocab, vocab_start, 1.0 / temperature,
+        logits.stride(0), BLOCK_V=_block_v(), num_warps=8,
+    )  # fmt: skip
+
+
+@triton.jit
+def _row_dlogits_kernel(
+    logits_ptr,
+    out_ptr,
+    targets_ptr,
+    max_ptr,
+    log_sumexp_ptr,
+    coef_ptr,
+    target_grad_ptr,
+    V,
+    vocab_start,
+    inv_temp,
+    stride_lt,
+    stride_ot,
+    BLOCK_V: tl.constexpr,
+    BF16_INTERPRETED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    local_target = tl.load(targets_ptr + row) - vocab_start
+    row_max = tl.load(max_ptr + row)
+    log_sumexp = tl.load(log_sumexp_ptr + row)
+    coef = tl.load(coef_ptr + row)
+    target_grad = tl.load(target_grad_ptr + row)
+    for tile_start in range(0, V, BLOCK_V):
+        offs = tile_start + cols
+        in_v = offs < V
+        acc = tl.load(logits_ptr + row * stride_lt + offs, mask=in_v, other=0.0)
+        z = acc.to(tl.float32) * inv_temp
+        d = coef * tl.exp((z - row_max) - log_sumexp)
+        d = tl.where(offs == local_target, target_grad, d)
+        if BF16_INTERPRETED:
+            d = round_bf16_rne(d)  # the interpreter's bf16 cast truncates
+        tl.store(out_ptr + row * stride_ot + offs, d.to(out_ptr.dtype.element_ty), mask=in_v)
+
+
+def row_dlogits(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    temperature: float,
+    global_max: torch.Tensor,
+    log_sumexp: torch.Tensor,
+    coef: torch.Tensor,
+    target_grad: torch.Tensor,
+) -> None:
+    """``out = coef * softmax(logits / temperature)`` off the target lane, ``target_grad`` on it.
+
+    Per row (fp32 ``[rows]``, contiguous): ``global_max`` and ``log_sumexp`` as in
+    `lce.tp.GlobalStats`; ``coef`` and ``target_grad`` already divided by the temperature.
+    ``out`` (``[rows, V_local]``, unit column stride) may be ``logits`` itself: each element is
+    read, then written, by the same thread.
+    """
+    num_rows, vocab = logits.shape
+    _row_dlogits_kernel[(num_rows,)](
+        logits, out, targets, global_max, log_sumexp, coef, target_grad, vocab, vocab_start,
+        1.0 / temperature, logits.stride(0), out.stride(0), BLOCK_V=_block_v(),
+        BF16_INTERPRETED=interpreting() and out.dtype == torch.bfloat16,
+        num_warps=8,
+        # `z - max` must be exactly 0 on the max lane, as in the backward kernel: no FMA.
+        enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def _block_v() -> int:
+    return BLOCK_V_INTERPRETED if interpreting() else BLOCK_V

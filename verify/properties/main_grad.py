@@ -1,0 +1,43 @@
+"""The main_grad property: lce's 3-GEMM loss into a caller's buffer leaves the buffer at exactly
+its old content plus the gradient (Megatron's gradient_accumulation_fusion contract)."""
+
+from __future__ import annotations
+
+from verify.cases.spec import CaseSpec
+from verify.execution.outcome import TOLERANCE_OUTPUT
+from verify.execution.runner import Runner
+from verify.numerics.tolerances import load
+from verify.properties.expected import expected
+from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
+
+OUTPUTS = ("loss", "loss_grad_hidden", "loss_grad_weight")
+
+
+def main_grad_accumulation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
+    """main_grad gains the loss's weight gradient on top of its old content (tiers 1-2 vs R).
+
+    The case runs with ``loss_path="main_grad"``: main_grad starts with random old content at the
+    weight's scale and the adapter reports what it gained (`verify.execution.builtin`), so a path
+    that overwrites, drops or double-counts the old content, or adds a wrong gradient, fails here
+    (with the loss and grad_hidden of the same call). Cases that cannot take the path (two
+    backwards, no weight gradient) run as drawn.
+    """
+    if spec.grads in ("both", "weight"):
+        spec = spec.with_(loss_path="main_grad")
+    run = runner.run(spec)
+    if run.status != "ok":
+        return [flag("main_grad", spec, "status", False, f"refused a valid case: {run.error}")]
+    exp, tols = expected(spec), load()
+    return [
+        tolerance_check(
+            "main_grad",
+            spec,
+            name,
+            run.outputs[name],
+            exp.ref[name],
+            exp.base[name],
+            tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name]),
+        )
+        for name in OUTPUTS
+        if name in run.outputs
+    ]

@@ -82,9 +82,9 @@ class FusedLogprobEntropy(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: this backward is differentiated too
             grads_with_graph = getattr(plan.stages, "grads_with_graph", None)
             if grads_with_graph is None:
-                raise _double_backward_error(f"the {type(plan.stages).__name__} backend")
+                raise double_backward_error(f"the {type(plan.stages).__name__} backend")
             if shard.group is not None:
-                raise _double_backward_error("vocab-parallel TP (the softmax sums are collectives)")
+                raise double_backward_error("vocab-parallel TP (the softmax sums are collectives)")
             return (
                 *grads_with_graph(
                     hidden, weight, kernel_targets, shard.vocab_start, plan.options.temperature,
@@ -154,8 +154,8 @@ class FusedScalarLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # the saved gradients hold no graph: refuse, never zeros
-            raise _double_backward_error(
-                "linear_cross_entropy's sum/mean path (its gradients are computed in the forward)"
+            raise double_backward_error(
+                "linear_cross_entropy's fast=True path (its gradients are computed in the forward)"
             )
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
@@ -166,7 +166,7 @@ class FusedScalarLoss(torch.autograd.Function):
         return (*scaled, None, None, None)
 
 
-def _double_backward_error(unsupported: str) -> RuntimeError:
+def double_backward_error(unsupported: str) -> RuntimeError:
     """Refuse a double backward rather than return wrong (zero) second-order terms."""
     return RuntimeError(
         f"double backward (a backward with create_graph=True, e.g. a gradient penalty) is not "

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lce.autograd import Plan, kernel_ids
+from lce.autograd import Plan, double_backward_error, kernel_ids
 from lce.backends import StageBackend
 from lce.backends.base import accumulation_dtype
 from lce.loss_pass import loss_pass
@@ -90,6 +90,11 @@ class LossIntoGradBuffer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # the saved gradients hold no graph: refuse, never zeros
+            raise double_backward_error(
+                "linear_cross_entropy's grad_weight_into path (its gradients are computed in the "
+                "forward)"
+            )
         grad_hidden, compute_hidden, weight, ids, row_scale = ctx.saved_tensors
         hidden_dtype, temperature, shard, stages, assumed = ctx.settings
         upstream = torch.where(row_scale != 0, grad_out, torch.zeros_like(grad_out))

@@ -34,40 +34,46 @@ def _row_stats_kernel(
     cols = tl.arange(0, BLOCK_V)
     local_target = tl.load(targets_ptr + row) - vocab_start
     # Per lane: a running max in raw dot units (centred before the 1/T scale, as the forward
-    # kernel does, so the max lane's centred value is exactly 0) and sums centred on it. Lanes
-    # merge once at the end: the sweep itself has no cross-thread reduction.
+    # kernel does, so the max lane's centred value is exactly 0), the sum of exp(z - max) over
+    # the lane's elements but its max (whose term is exactly 1: kept apart, as `ShardStats`
+    # asks) and the centred sum of z. Lanes merge once at the end: no cross-thread reduction in
+    # the sweep.
     lane_max = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
-    lane_sum = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    lane_nonmax = tl.zeros((BLOCK_V,), dtype=tl.float32)
     lane_sum_z = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    lane_others = tl.zeros((BLOCK_V,), dtype=tl.float32)
     lane_target = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for tile_start in range(0, V, BLOCK_V):
         offs = tile_start + cols
         in_v = offs < V
         acc = tl.load(logits_ptr + row * stride_lt + offs, mask=in_v, other=float("-inf"))
         acc = acc.to(tl.float32)
-        is_target = offs == local_target
-        lane_target = tl.where(is_target, acc, lane_target)
-        new_max = tl.maximum(lane_max, acc)
+        lane_target = tl.where(offs == local_target, acc, lane_target)
         seen = lane_max > float("-inf")  # guards keep unseen lanes from inf - inf
-        shift = tl.where(seen, (lane_max - tl.where(seen, new_max, 0.0)) * inv_temp, 0.0)
-        scale = tl.where(seen, tl.exp(shift), 0.0)
-        centred = tl.where(in_v, (acc - tl.where(in_v, new_max, 0.0)) * inv_temp, 0.0)
-        e = tl.where(in_v, tl.exp(centred), 0.0)
-        lane_sum_z = scale * (lane_sum_z + shift * lane_sum) + e * centred
-        lane_sum = scale * lane_sum + e
-        lane_others = scale * lane_others + tl.where(is_target, 0.0, e)
+        is_new = acc > lane_max  # the element becomes the lane's max (never a masked one)
+        new_max = tl.where(is_new, acc, lane_max)
+        # new max: the old terms rescale and the old max joins the non-max sum;
+        # otherwise the element's own term joins it.
+        shift = tl.where(is_new & seen, (lane_max - tl.where(is_new, acc, 0.0)) * inv_temp, 0.0)
+        scale = tl.where(is_new, tl.where(seen, tl.exp(shift), 0.0), 1.0)
+        centred = tl.where(in_v & ~is_new, (acc - tl.where(seen, lane_max, 0.0)) * inv_temp, 0.0)
+        e = tl.where(in_v & ~is_new, tl.exp(centred), 0.0)
+        lane_total = tl.where(seen, 1.0 + lane_nonmax, 0.0)
+        lane_sum_z = scale * (lane_sum_z + shift * lane_total) + e * centred
+        lane_nonmax = tl.where(is_new, scale * lane_total, lane_nonmax + e)
         lane_max = new_max
     row_max = tl.max(lane_max, axis=0)
     seen = lane_max > float("-inf")
     shift = tl.where(seen, (lane_max - row_max) * inv_temp, 0.0)
     scale = tl.where(seen, tl.exp(shift), 0.0)
+    # One lane holding the row max keeps its max's 1 out; every other lane's max term joins.
+    first_max = tl.min(tl.where(lane_max == row_max, cols, BLOCK_V), axis=0)
+    own_max = tl.where(seen & (cols != first_max), scale, 0.0)
     out = stats_ptr + row
     tl.store(out, row_max * inv_temp)
-    tl.store(out + plane, tl.sum(scale * lane_sum, axis=0))
-    tl.store(out + 2 * plane, tl.sum(scale * (lane_sum_z + shift * lane_sum), axis=0))
+    tl.store(out + plane, tl.sum(scale * lane_nonmax + own_max, axis=0))
+    total = tl.where(seen, 1.0 + lane_nonmax, 0.0)
+    tl.store(out + 2 * plane, tl.sum(scale * (lane_sum_z + shift * total), axis=0))
     tl.store(out + 3 * plane, tl.sum(lane_target, axis=0) * inv_temp)
-    tl.store(out + 4 * plane, tl.sum(scale * lane_others, axis=0))
 
 
 def row_stats_into(
@@ -79,7 +85,7 @@ def row_stats_into(
 ) -> None:
     """`ShardStats` of ``logits / temperature`` (``[rows, V_local]``, unit column stride)
     against int64 global ``targets`` (-1: ignored, owned by no shard), written into fp32
-    ``out[5, rows]`` (the `ShardStats` fields in order, unit row stride)."""
+    ``out[4, rows]`` (the `ShardStats` fields in order, unit row stride)."""
     num_rows, vocab = logits.shape
     _row_stats_kernel[(num_rows,)](
         logits, targets, out, out.stride(0), vocab, vocab_start, 1.0 / temperature,

@@ -174,7 +174,7 @@ class TritonStages:
         _check_operands(hidden, weight, targets)
         (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
         device = hidden.device
-        stats = torch.zeros(5, num_tokens, dtype=torch.float32, device=device)
+        stats = torch.zeros(len(fields(ShardStats)), num_tokens, dtype=torch.float32, device=device)
         stats[0] = float("-inf")
         grad_hidden = None
         if need_hidden:

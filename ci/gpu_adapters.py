@@ -3,14 +3,15 @@
     python ci/gpu_adapters.py --out DIR [--impl liger --impl cce ...] [--profile nightly]
                               [--minutes 2] [--total-minutes 5]
 
-Defaults: ``liger``, ``cce`` and ``cce-exact`` on a CUDA machine; ``torch`` and ``lce-torch`` on
-a CPU machine (so the script itself is known to work anywhere). ``--minutes`` is each
-implementation's time budget; ``--total-minutes`` bounds the whole run: each implementation then
-gets at most its part of the time left less `STARTUP_S` (peers JIT-compile their kernels for every
-new shape; the search stops at its budget, but the first example's compile comes on top). When
-the time left cannot give every remaining implementation `STARTUP_S` + `MIN_SEARCH_S`, the last
-ones are reported as not run. Writes ``DIR/adapters.json``,
-``DIR/adapters.md`` and failure artifacts under ``DIR/failures`` (replay:
+Defaults: ``liger``, ``cce``, ``cce-exact`` and ``verl`` on a CUDA machine (verl: installed with
+``pip install --no-deps verl`` or named by ``VERL_PATH``; with two GPUs also at TP = 2 over NCCL);
+``torch`` and ``lce-torch`` on a CPU machine (so the script itself is known to work anywhere).
+``--minutes`` is each implementation's time budget; ``--total-minutes`` bounds the whole run:
+each implementation then gets at most its part of the time left less `STARTUP_S` (peers
+JIT-compile their kernels for every new shape; the search stops at its budget, but the first
+example's compile comes on top). When the time left cannot give every remaining implementation
+`STARTUP_S` + `MIN_SEARCH_S`, the last ones are reported as not run. Writes
+``DIR/adapters.json``, ``DIR/adapters.md`` and failure artifacts under ``DIR/failures`` (replay:
 ``verify.adapters.replay_impl``). An implementation whose package or device is missing is reported
 as skipped. Exit code 0 unless the script broke.
 """
@@ -18,6 +19,7 @@ as skipped. Exit code 0 unless the script broke.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -27,11 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verify.adapters import AdapterError, check_impl, resolve
+from verify.adapters import Adapter, AdapterError, check_impl, resolve
 from verify.adapters.impl_report import to_json, to_markdown
+from verify.distributed import WorkerPool
 from verify.results.artifacts import device_description, versions
 
-GPU_DEFAULT = ("liger", "cce", "cce-exact")
+GPU_DEFAULT = ("liger", "cce", "cce-exact", "verl")
 # Measured since the search stops inside its batch: Liger took 64 s on a 50 s budget on an H100
 # (kernel compiles for the first shapes, and the process start).
 STARTUP_S = 25.0
@@ -95,16 +98,17 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             minutes = min(minutes, search_s / 60)
         try:
-            resolve(ref)
+            adapter = resolve(ref)
         except AdapterError as exc:
             summary["implementations"].append({"impl": ref, "skipped": str(exc)})
             sections.append(f"## {ref}: skipped\n\n{exc}\n")
             print(f"{ref}: skipped ({exc})", flush=True)
             continue
-        report = check_impl(
-            ref, profile=args.profile, minutes=minutes, seed=args.seed,
-            max_examples=args.max_examples, failures_dir=args.failures or args.out / "failures",
-        )  # fmt: skip
+        with _tp_pool(adapter) as pool:
+            report = check_impl(
+                ref, profile=args.profile, minutes=minutes, seed=args.seed, pool=pool,
+                max_examples=args.max_examples, failures_dir=args.failures or args.out / "failures",
+            )  # fmt: skip
         summary["implementations"].append(to_json(report))
         sections.append(to_markdown(report))
         state = "passed" if report.passed else "FAILED"
@@ -113,6 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     _write(args.out, summary, sections)
     print(f"wrote {args.out / 'adapters.md'} and {args.out / 'adapters.json'}")
     return 0
+
+
+def _tp_pool(adapter: Adapter):
+    """A 2-GPU NCCL worker pool for a CUDA adapter claiming tensor parallelism when two GPUs are
+    visible (its properties then run at TP = 2 too), else no pool (TP = 1 only)."""
+    parallel = adapter.capabilities.tensor_parallel and adapter.device == "cuda"
+    if parallel and torch.cuda.device_count() >= 2:
+        return WorkerPool(world_size=2, device="cuda")
+    return contextlib.nullcontext(None)
 
 
 def _write(out: Path, summary: dict, sections: list[str]) -> None:

@@ -272,9 +272,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def campaign_exit_code(doc: dict) -> int:
     """`EXIT_FAIL` when the implementation failed a check, else `EXIT_INFRA` when only
-    infrastructure faulted, else `EXIT_PASS`."""
-    if doc["failures"]:
+    infrastructure faulted, else `EXIT_PASS`: a verdict on the implementation outranks a harness
+    error (`EXIT_HARNESS`: a property's own code raised), which outranks a fault of the machine."""
+    if any(not failure.get("harness") for failure in doc["failures"]):
         return EXIT_FAIL
+    if doc["failures"]:
+        return EXIT_HARNESS
     return EXIT_INFRA if doc["errors"] else EXIT_PASS
 
 

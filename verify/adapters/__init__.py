@@ -11,6 +11,7 @@ from verify.execution.interface import (
     AdapterError,
     Call,
     Capabilities,
+    Limits,
     NumericalContract,
 )
 from verify.execution.selection import from_loss_fn, names, resolve
@@ -21,6 +22,7 @@ __all__ = [
     "Call",
     "Capabilities",
     "ImplReport",
+    "Limits",
     "NumericalContract",
     "check_impl",
     "from_loss_fn",

@@ -10,6 +10,7 @@ others. Each shrunk failure becomes a failure artifact (the engine's format plus
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -32,9 +33,9 @@ from verify.cases.spec import CaseSpec
 from verify.cases.strategies import landmark_specs
 from verify.distributed.seam import Pool
 from verify.execution.interface import Adapter
-from verify.execution.runner import Runner
+from verify.execution.runner import Runner, case_of
 from verify.execution.selection import resolve
-from verify.properties.verdict import PropertyVerdict
+from verify.properties.verdict import HARNESS, PropertyVerdict, harness_error, is_refusal
 from verify.results import artifacts
 from verify.running.engine import (
     PropertyFailure,
@@ -49,7 +50,8 @@ BATCH_EXAMPLES = 20  # examples per seeded batch of a timed search
 MAX_FAILURES = 3  # distinct failures a timed search collects per property
 # Spec fields whose non-default value in a shrunk failure marks what triggered it (sizes and
 # numbers are left out: they shrink on their own; transform/fault/backend are set by properties).
-_NOT_TRIGGERS = ("tokens", "hidden_size", "vocab", "seed", "scale", "offset", "chunk_size")
+SIZES = ("tokens", "hidden_size", "vocab")
+_NOT_TRIGGERS = (*SIZES, "seed", "scale", "offset", "chunk_size")
 TRIGGER_FIELDS = tuple(
     f.name
     for f in fields(CaseSpec)
@@ -67,6 +69,11 @@ class Failure:
     @property
     def spec(self) -> CaseSpec:
         return CaseSpec.from_json(self.verdicts[0].spec)
+
+    @property
+    def refusal(self) -> bool:
+        """The implementation raised on a valid case (every failing verdict says so)."""
+        return all(is_refusal(v) for v in self.verdicts)
 
 
 @dataclass
@@ -110,6 +117,13 @@ class ImplReport:
     def passed(self) -> bool:
         return all(o.passed for o in self.outcomes)
 
+    @property
+    def harness_errors(self) -> list[PropertyVerdict]:
+        """Verdicts recording an exception of the harness's own code (with its traceback)."""
+        return [
+            v for o in self.outcomes for f in o.failures for v in f.verdicts if v.tier == HARNESS
+        ]
+
     def failure_lines(self) -> list[str]:
         """One line per failing verdict, with its artifact path."""
         return [
@@ -148,20 +162,33 @@ def check_impl(
     deadline = None if minutes is None else time.monotonic() + 60.0 * minutes
     keep = spec_filter or (lambda spec: True)
     firsts = _landmarks(adapter, tp_sizes, keep) if landmarks else []
+    refusals = Refusals(adapter, runner)
     outcomes, out_of_time = [], []
     for index, name in enumerate(names):
         if deadline is not None and time.monotonic() >= deadline:
             out_of_time.append(Untested(f"property {name}", "not run: the time budget was spent"))
             continue
+        if refusals.everything:
+            reason = f"not run: the simplest case was refused (see {refusals.everything})"
+            out_of_time.append(Untested(f"property {name}", reason))
+            continue
         strategy = invalid_specs_for(adapter) if name == "status" else specs_for(adapter, tp_sizes)
         strategy = strategy.filter(keep)
         search = _Search(
-            name, strategy, runner, profile, max_examples, [] if name == "status" else firsts
-        )
+            name, strategy, runner, profile, max_examples,
+            [] if name == "status" else firsts, refusals,
+        )  # fmt: skip
         outcome = PropertyOutcome(name)
         began = time.monotonic()
         if deadline is None:
-            search.batch(outcome, None)
+            # Each new refusal is reported once; the search then goes on without its trigger
+            # (the profile's own examples again, now inside the accepted region).
+            def again(_: int, search=search, outcome=outcome) -> bool:
+                search.batch(outcome, None)
+                return refusals.absorb(outcome)
+
+            with contextlib.suppress(Unsatisfiable):  # refusals left nothing to draw
+                search_rounds(range(MAX_FAILURES), again)
         else:
             share = max(deadline - began, 0.0) / (len(names) - index)
             _timed(outcome, adapter, search, share, seed, deadline)
@@ -189,6 +216,61 @@ def _landmarks(adapter: Adapter, tp_sizes: tuple[int, ...], keep) -> list[CaseSp
 
 
 @dataclass
+class Refusals:
+    """Undeclared refusals found so far (the implementation raised on a valid case). Each is
+    reported once, by the property that found it first; every later search leaves its trigger
+    out, so the properties go on inside the region the implementation accepts instead of all
+    shrinking to the same refusal. ``everything``: the property whose search found the simplest
+    case refused (nothing left to search)."""
+
+    adapter: Adapter
+    runner: Any
+    triggers: list[dict[str, Any]] = field(default_factory=list)
+    everything: str = ""
+
+    def allows(self, spec: CaseSpec) -> bool:
+        return not any(_has(spec, found) for found in self.triggers)
+
+    def trigger(self, spec: CaseSpec) -> dict[str, Any]:
+        """`trigger`, plus each size the refusal needs: a size of the shrunk ``spec`` whose
+        simplest value makes the implementation accept it (a kernel refusing 1 token, say)."""
+        found = trigger(self.adapter, spec)
+        simplest = coerce(self.adapter, CaseSpec())
+        for name in SIZES:
+            value = getattr(spec, name)
+            if value == getattr(simplest, name):
+                continue
+            try:
+                probe = spec.with_(**{name: getattr(simplest, name)})
+            except ValueError:
+                continue  # e.g. vocab < tp
+            fits = not self.adapter.capabilities.limits.violations(probe)
+            if fits and self.runner.run(probe).status == "ok":
+                found[name] = value
+        return found
+
+    def absorb(self, outcome: PropertyOutcome) -> bool:
+        """Record ``outcome``'s refusals, dropping those already reported; returns whether a new
+        one with a trigger to leave out was found (a further search can then go on)."""
+        kept, new = [], False
+        for failure in outcome.failures:
+            if not failure.refusal:
+                kept.append(failure)
+                continue
+            found = self.trigger(failure.spec)
+            if found in self.triggers or (not found and self.everything):
+                continue
+            kept.append(failure)
+            if found:
+                self.triggers.append(found)
+                new = True
+            else:
+                self.everything = outcome.property
+        outcome.failures = kept
+        return new
+
+
+@dataclass
 class _Search:
     """One property's search settings; `batch` runs it once and merges into an outcome."""
 
@@ -198,6 +280,7 @@ class _Search:
     profile: str
     max_examples: int | None
     examples: list[CaseSpec]
+    refusals: Refusals
 
     def batch(
         self,
@@ -209,7 +292,9 @@ class _Search:
         """One `run_property` call (the landmarks run in the first one only) under ``deadlines``
         (see there), merged into ``outcome``. Returns whether it ran to its end."""
         examples, self.examples = self.examples, []
+        examples = [spec for spec in examples if self.refusals.allows(spec)]
         strategy = self.strategy if strategy is None else strategy
+        strategy = strategy.filter(self.refusals.allows)
         try:
             result = run_property(
                 self.name, strategy=strategy, profile=self.profile, runner=self.runner,
@@ -218,6 +303,12 @@ class _Search:
             )  # fmt: skip
         except FlakyFailure as exc:
             outcome.failures.append(Failure(flaky_verdicts(exc)))
+            return True
+        except Unsatisfiable:
+            raise  # the caller's filters left nothing to draw
+        except Exception as exc:  # the adapter's exceptions are verdicts: this is the harness's
+            spec = case_of(exc) or CaseSpec()
+            outcome.failures.append(Failure([harness_error(self.name, spec, exc)]))
             return True
         outcome.merge(result)
         return not result.stopped
@@ -232,9 +323,10 @@ def _timed(outcome, adapter, search: _Search, share: float, seed: int, deadline:
         search.max_examples = BATCH_EXAMPLES
 
     def batch(seed: int | None) -> bool:
-        if len(outcome.failures) >= MAX_FAILURES:
+        if len(outcome.failures) >= MAX_FAILURES or search.refusals.everything:
             return False
-        found = [trigger(adapter, f.spec) for f in outcome.failures]
+        # Refusals are left out by `Refusals.allows` (their triggers include sizes).
+        found = [trigger(adapter, f.spec) for f in outcome.failures if not f.refusal]
         if any(not t for t in found):
             return False  # a failure with no trigger to leave out: every later batch repeats it
         narrowed = search.strategy.filter(lambda s: not any(_has(s, t) for t in found))
@@ -242,6 +334,7 @@ def _timed(outcome, adapter, search: _Search, share: float, seed: int, deadline:
             finished = search.batch(outcome, seed, narrowed, (began + share, deadline))
         except Unsatisfiable:
             return False  # the triggers left out every spec the strategy can draw
+        search.refusals.absorb(outcome)
         return finished and time.monotonic() - began < share
 
     search_rounds(seeds(seed), batch)

@@ -9,10 +9,9 @@ from pathlib import Path
 from verify.adapters.check import check_impl
 from verify.adapters.impl_replay import replay_impl
 from verify.adapters.impl_report import to_json, to_markdown
+from verify.cli import EXIT_FAIL, EXIT_HARNESS, EXIT_PASS
 from verify.distributed.seam import open_pool
 from verify.execution.selection import resolve
-
-EXIT_PASS, EXIT_FAIL = 0, 1
 
 
 def run_impl(args: argparse.Namespace) -> int:
@@ -38,6 +37,8 @@ def run_impl(args: argparse.Namespace) -> int:
     for line in report.failure_lines():
         print(f"  {line}")
     print(f"report: {out / 'impl-report.md'} (JSON {out / 'impl-report.json'})")
+    if report.harness_errors:
+        return EXIT_HARNESS
     return EXIT_PASS if report.passed else EXIT_FAIL
 
 

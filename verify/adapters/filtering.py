@@ -69,7 +69,7 @@ def coerce(adapter: Adapter, spec: CaseSpec) -> CaseSpec:
         changes["reduce_hidden"] = True
     if "entropy" not in adapter.outputs:
         changes["upstream"] = "logprob_only"  # R's gradients then carry no entropy term either
-    return spec.with_(**changes) if changes else spec
+    return caps.limits.fit(spec.with_(**changes) if changes else spec)
 
 
 def specs_for(
@@ -115,6 +115,7 @@ def _feature_gaps(adapter: Adapter, tp_sizes: tuple[int, ...]) -> list[Untested]
         "tied embedding weights": caps.tied,
     }  # fmt: skip
     gaps += [Untested(what, unclaimed) for what, ok in flags.items() if not ok]
+    gaps += [Untested(what, "outside the declared limits") for what in caps.limits.lines()]
     missing = [r for r in REDUCTIONS if r not in caps.reductions]
     if missing:
         gaps.append(Untested(f"reductions {missing}", unclaimed))

@@ -1,5 +1,5 @@
 """Built-in adapters: lce (both backends; the engine runs lce through it), torch's
-linear_cross_entropy, Liger, cut-cross-entropy.
+linear_cross_entropy, Liger, cut-cross-entropy, verl's fused kernel.
 
 Each factory returns an `Adapter` or raises `AdapterError` saying what is missing (a package, a
 torch version, a CUDA device). Third-party packages are imported only when their adapter is asked
@@ -13,11 +13,20 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import lce
 from verify.cases.spec import BACKENDS, LOSS_PATHS
-from verify.execution.interface import Adapter, AdapterError, Call, Capabilities, NumericalContract
+from verify.execution import verl_kernel
+from verify.execution.interface import (
+    Adapter,
+    AdapterError,
+    Call,
+    Capabilities,
+    Limits,
+    NumericalContract,
+)
 
 # What lce raises on an input it refuses; any other exception is a bug (it propagates).
 LCE_REFUSALS = (ValueError, TypeError, IndexError, RuntimeError)
@@ -188,6 +197,63 @@ def cce_adapter(filter_eps: float | str | None = "high") -> Adapter:
     )  # fmt: skip
 
 
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP group (Megatron's copy to the
+    tensor-parallel region), for kernels that return a rank's partial grad_hidden."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+VERL_PAIRS = (("bf16", "bf16"), ("fp16", "fp16"))
+
+
+def verl_adapter(pairs: tuple[tuple[str, str], ...] = VERL_PAIRS) -> Adapter:
+    """verl's fused kernel, ``verl.utils.kernel.linear_cross_entropy(hidden, weight, labels,
+    temperature, reduction, dist_process_group)``: fp32 per-token log-probs and entropy (no loss,
+    no ignore_index), CUDA only, vocab-parallel through the group. Its kernel modules are loaded
+    without verl's package ``__init__`` (`verify.adapters.verl_kernel`).
+
+    ``pairs``: the (equal) dtype pairs searched. fp32 is its own adapter (``verl-fp32``): its
+    ``tl.dot`` runs fp32 inputs on TF32 tensor cores (Triton's default), a finding that would
+    otherwise end every fp32 search first and hide the bf16/fp16 ones (docs/adapters-gpu.md)."""
+    kernel = verl_kernel.load()
+    _need_cuda("verl")
+
+    def tokens(call: Call) -> dict[str, torch.Tensor]:
+        hidden = call.hidden
+        if call.tp_group is not None and call.reduce_grad_hidden:
+            hidden = _SumGradOverGroup.apply(hidden, call.tp_group)  # verl leaves it partial
+        logprobs, entropy = kernel.linear_cross_entropy(
+            hidden, call.weight, call.targets, float(call.temperature), "none", call.tp_group
+        )
+        return {
+            "logprobs": logprobs.view(call.targets.shape),
+            "entropy": entropy.view(call.targets.shape),
+        }
+
+    # Declared from its host code: `assert hidden_size % 128 == 0`, `assert hidden.is_contiguous()
+    # and weight.is_contiguous()`, grad_weight allocated in hidden's dtype (equal pairs only),
+    # global ids `offs + rank * vocab_local` (equal shards), and no ignore_index parameter.
+    caps = Capabilities(
+        ignore_index=False, temperature=True, tensor_parallel=True, strided=False,
+        dtype_pairs=pairs, limits=Limits(hidden_multiple=128, even_shards=True),
+    )  # fmt: skip
+    name = "verl" if pairs == VERL_PAIRS else "verl-" + "-".join(h for h, _ in pairs)
+    return Adapter(
+        name, ("logprobs", "entropy"), tokens, capabilities=caps, device="cuda",
+        description=f"verl.utils.kernel.linear_cross_entropy (verl {verl_kernel.version()})",
+    )  # fmt: skip
+
+
 BUILTIN: dict[str, Callable[[], Adapter]] = {
     "lce": lce_adapter,
     "lce-torch": partial(lce_adapter, ("torch",)),
@@ -196,4 +262,6 @@ BUILTIN: dict[str, Callable[[], Adapter]] = {
     "liger": liger_adapter,
     "cce": cce_adapter,
     "cce-exact": partial(cce_adapter, None),
+    "verl": verl_adapter,
+    "verl-fp32": partial(verl_adapter, (("fp32", "fp32"),)),
 }

@@ -24,6 +24,10 @@ from verify.running import stage_timing
 CASE_JOB = "verify.execution.execute:case_job"
 
 
+class OutsideLimits(RuntimeError):
+    """The harness generated a case outside the adapter's declared `Limits` (a harness bug)."""
+
+
 class Rank(Protocol):
     """Where a case runs: `verify.distributed.JobContext` in a worker, `LocalRank` in-process."""
 
@@ -82,8 +86,12 @@ def execute(spec: CaseSpec, rank: Rank, adapter: Adapter) -> dict[str, Any]:
     ``compute_s`` (the implementation's calls and their gradients, not the build).
 
     The problem is built on the CPU (the same numbers everywhere), then moved to ``rank.device``.
-    An exception in ``adapter.refusals`` becomes ``status="raised"`` (the status property).
+    An exception in ``adapter.refusals`` becomes ``status="raised"`` (the status property). A
+    spec outside the adapter's declared `Limits` is a harness bug: `OutsideLimits`, no call.
     """
+    broken = adapter.capabilities.limits.violations(spec)
+    if broken:
+        raise OutsideLimits(f"{adapter.name}: spec outside its declared limits: {broken}")
     with stage_timing.stage("build"):
         problem = build(spec)
     with stage_timing.stage("transfer"):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from verify.cases.spec import BACKENDS, DTYPE_PAIRS, REDUCTIONS
+from verify.cases.spec import BACKENDS, DTYPE_PAIRS, REDUCTIONS, CaseSpec
 from verify.numerics.reference import IGNORE_INDEX
 
 OUTPUTS = ("logprobs", "entropy", "loss")
@@ -65,6 +65,76 @@ LossFn = Callable[[Call, str], torch.Tensor]
 
 
 @dataclass(frozen=True)
+class Limits:
+    """Input sizes the implementation accepts (kernels assert them); no case outside them is
+    generated, and the report lists them under "not tested".
+
+    ``hidden_multiple``: H is a multiple of it. ``vocab_multiple``: every rank's vocab rows are a
+    multiple of it (more than 1 implies ``even_shards``). ``min_tokens``: at least this many
+    tokens (rows of the flattened ``[N, H]`` input). ``even_shards``: at TP > 1 every rank holds
+    ``V / tp`` rows (``Call.vocab_start`` is then always ``rank * V_local``).
+    """
+
+    hidden_multiple: int = 1
+    vocab_multiple: int = 1
+    min_tokens: int = 0
+    even_shards: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_multiple", "vocab_multiple"):
+            if getattr(self, name) < 1:
+                raise AdapterError(f"limits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_tokens < 0:
+            raise AdapterError(f"limits.min_tokens must be >= 0, got {self.min_tokens}")
+
+    def shard_multiple(self, tp: int) -> int:
+        """What the global vocab must be a multiple of at TP degree ``tp`` (1: anything goes)."""
+        even = self.even_shards or self.vocab_multiple > 1
+        return self.vocab_multiple * (tp if even else 1)
+
+    def fit(self, spec: CaseSpec) -> CaseSpec:
+        """``spec`` with H, V and the token count rounded up into the limits."""
+        rows = max(spec.batch, 1)
+        vocab_step = self.shard_multiple(spec.tp)
+        changes = {
+            "hidden_size": _round_up(spec.hidden_size, self.hidden_multiple),
+            "vocab": _round_up(spec.vocab, vocab_step),
+            "tokens": max(spec.tokens, -(-self.min_tokens // rows)),
+        }
+        changed = {k: v for k, v in changes.items() if v != getattr(spec, k)}
+        return spec.with_(**changed) if changed else spec
+
+    def violations(self, spec: CaseSpec) -> list[str]:
+        """Which limits ``spec`` breaks (empty when it fits)."""
+        out = []
+        if spec.hidden_size % self.hidden_multiple:
+            out.append(f"hidden_size {spec.hidden_size} % {self.hidden_multiple} != 0")
+        step = self.shard_multiple(spec.tp)
+        if spec.vocab % step:
+            out.append(f"vocab {spec.vocab} at tp={spec.tp} is not a multiple of {step}")
+        if spec.num_tokens < self.min_tokens:
+            out.append(f"{spec.num_tokens} tokens < min_tokens {self.min_tokens}")
+        return out
+
+    def lines(self) -> list[str]:
+        """The declared limits, one phrase each (for "not tested")."""
+        out = []
+        if self.hidden_multiple > 1:
+            out.append(f"hidden_size not a multiple of {self.hidden_multiple}")
+        if self.vocab_multiple > 1:
+            out.append(f"vocab rows per rank not a multiple of {self.vocab_multiple}")
+        if self.even_shards or self.vocab_multiple > 1:
+            out.append("uneven vocab shards (vocab % tp != 0)")
+        if self.min_tokens > 0:
+            out.append(f"fewer than {self.min_tokens} tokens")
+        return out
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """Which features an implementation supports; everything else is not generated for it.
 
@@ -80,7 +150,8 @@ class Capabilities:
     ``deterministic``: claims bit-identical reruns. ``validates_inputs``: raises on invalid input
     (target out of range, temperature <= 0, shape mismatch) naming the argument. ``loss_paths``:
     values of ``Call.loss_path`` it distinguishes (``main_grad``: its loss adds the weight
-    gradient into a caller's buffer, checked by the main_grad property).
+    gradient into a caller's buffer, checked by the main_grad property). ``limits``: the sizes it accepts
+    (`Limits`).
     """
 
     reductions: tuple[str, ...] = REDUCTIONS
@@ -98,6 +169,7 @@ class Capabilities:
     deterministic: bool = False
     validates_inputs: bool = False
     loss_paths: tuple[str, ...] = ("default",)
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         _subset("reductions", self.reductions, REDUCTIONS)

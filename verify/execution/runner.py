@@ -14,9 +14,24 @@ from verify.execution.outcome import KernelRun, assemble
 from verify.execution.selection import resolve
 from verify.running import stage_timing
 
+# Note added to an exception raised while running a case (the implementation, its job, the pool),
+# so `case_of` tells it from one raised by a property's own code.
+RUNNING_NOTE = "raised while running the case "
+
 
 class NeedsPool(ValueError):
     """A TP > 1 spec was given to a runner without a worker pool."""
+
+
+def case_of(exc: BaseException) -> CaseSpec | None:
+    """The spec whose run raised ``exc`` (the first leaf's, for a group); None when ``exc`` did
+    not come out of `Runner.run` (e.g. a property's own code raised it)."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    for note in getattr(exc, "__notes__", ()):
+        if note.startswith(RUNNING_NOTE):
+            return CaseSpec.from_json(note.removeprefix(RUNNING_NOTE))
+    return None
 
 
 class Runner:
@@ -59,6 +74,21 @@ class Runner:
         if not fresh and spec in self._cache:
             self._cache.move_to_end(spec)
             return self._cache[spec]
+        try:
+            results = self._execute(spec)
+        except Exception as exc:
+            if case_of(exc) is None:
+                exc.add_note(RUNNING_NOTE + spec.to_json())
+            raise
+        self.runs += 1
+        run = assemble(spec, results)
+        self._cache[spec] = run
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return run
+
+    def _execute(self, spec: CaseSpec) -> list[dict]:
+        """Every rank's result for ``spec``."""
         payload = execute.case_payload(spec, self.adapter.ref, self.mutant)
         on_pool = self.pool is not None and needs_pool(spec.tp, self.pool.device)
         if on_pool and not self.adapter.ref:
@@ -74,9 +104,4 @@ class Runner:
                 results = [execute.run_payload(payload, local, self.adapter)]
             if "timing" in results[0]:  # rank 0's stages (a test's job may send none)
                 stage_timing.current().add_taken(results[0]["timing"])
-        self.runs += 1
-        run = assemble(spec, results)
-        self._cache[spec] = run
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return run
+        return results

@@ -11,7 +11,7 @@ from verify.execution.outcome import TOLERANCE_OUTPUT, KernelRun
 from verify.execution.runner import Runner
 from verify.numerics.tolerances import load
 from verify.properties.expected import expected
-from verify.properties.verdict import PropertyVerdict, exact_check, flag, tolerance_check
+from verify.properties.verdict import PropertyVerdict, exact_check, flag, refused, tolerance_check
 
 PER_TOKEN = ("logprobs", "entropy", "loss", "grad_hidden", "loss_grad_hidden")
 
@@ -20,7 +20,7 @@ def differential(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """Tiers 1-2 of tolerances.yaml for each output the run produced."""
     run = runner.run(spec)
     if run.status != "ok":
-        return [flag("differential", spec, "status", False, f"refused a valid case: {run.error}")]
+        return [refused("differential", spec, run.error)]
     exp = expected(spec)
     tols = load()
     return [
@@ -41,7 +41,7 @@ def contract(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """Exact clauses: output dtypes, ignored rows exactly 0, inputs untouched, ranks agree."""
     run = runner.run(spec)
     if run.status != "ok":
-        return [flag("contract", spec, "status", False, f"refused a valid case: {run.error}")]
+        return [refused("contract", spec, run.error)]
     verdicts = [_dtypes(spec, run)]
     verdicts.append(flag("contract", spec, "inputs", run.inputs_unchanged, "inputs unmodified"))
     if spec.tp > 1:

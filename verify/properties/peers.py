@@ -24,7 +24,7 @@ from verify.execution.runner import Runner
 from verify.numerics.reference import loss_upstream_grad
 from verify.numerics.tolerances import load
 from verify.properties.expected import expected
-from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
+from verify.properties.verdict import PropertyVerdict, refused, tolerance_check
 from verify.running import stage_timing
 
 MEGATRON_JOB = "verify.properties.peers:megatron_job"
@@ -35,7 +35,7 @@ def _against_peer(
 ) -> list[PropertyVerdict]:
     run = runner.run(spec)
     if run.status != "ok":
-        return [flag(prop, spec, "status", False, f"refused a valid case: {run.error}")]
+        return [refused(prop, spec, run.error)]
     ref, tols = expected(spec).ref, load()
     return [
         tolerance_check(

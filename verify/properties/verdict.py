@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from traceback import format_exception
 
 import torch
 
@@ -18,6 +19,10 @@ from verify.cases.spec import CaseSpec
 from verify.numerics.compare import Verdict, compare, nonfinite_mismatch, ratio
 from verify.numerics.tolerances import Tolerance
 from verify.properties.expected import logit_scales
+
+# Tier of a verdict that records an exception raised by a property's own code: a bug of the
+# harness, not a verdict on the implementation (reported apart, with its own exit code).
+HARNESS = "harness"
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class PropertyVerdict:
     ratio: float
     detail: str
     spec: str  # CaseSpec JSON
+    traceback: str = ""  # tier "harness" only: where the property's own code raised
 
     @property
     def failed(self) -> bool:
@@ -46,6 +52,8 @@ class PropertyVerdict:
     def line(self) -> str:
         """The one-line failure message: property, output, tier, measured vs allowed, spec JSON."""
         state = "passed" if self.passed else "FAILED"
+        if self.tier == HARNESS:
+            state = "HARNESS ERROR"
         return (
             f"{self.property} {state} on {self.output} [{self.tier}]: measured {self.measured:.4g}"
             f" vs allowed {self.allowed:.4g} ({self.detail}) spec={self.spec}"
@@ -151,3 +159,28 @@ def flag(prop: str, spec: CaseSpec, output: str, ok: bool, detail: str) -> Prope
         prop, output, "status" if "status" in output else "exact", ok, measured, 0.0,
         ratio(measured, 0.0), detail, spec.to_json(),
     )  # fmt: skip
+
+
+def harness_error(prop: str, spec: CaseSpec, exc: BaseException) -> PropertyVerdict:
+    """``prop``'s own code raised ``exc`` on ``spec``: a failed verdict of tier `HARNESS` with the
+    exception in ``detail`` and its traceback."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return PropertyVerdict(
+        prop, "harness", HARNESS, False, math.inf, 0.0, math.inf,
+        f"{type(exc).__name__}: {first} (a harness bug, not a verdict on the implementation)",
+        spec.to_json(), traceback="".join(format_exception(exc)),
+    )  # fmt: skip
+
+
+# Detail prefix of a verdict recording that the implementation raised on a valid case.
+REFUSED = "refused a valid case"
+
+
+def refused(prop: str, spec: CaseSpec, error: str) -> PropertyVerdict:
+    """The implementation raised ``error`` on the valid ``spec``: a failed status verdict."""
+    return flag(prop, spec, "status", False, f"{REFUSED}: {error}")
+
+
+def is_refusal(verdict: PropertyVerdict) -> bool:
+    """Whether ``verdict`` records a refusal of a valid case (see `refused`)."""
+    return verdict.tier == "status" and verdict.detail.startswith(REFUSED)

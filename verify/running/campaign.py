@@ -30,6 +30,7 @@ from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool, 
 from verify.distributed.errors import PoolError
 from verify.execution.runner import Runner
 from verify.properties.catalog import PROPERTIES
+from verify.properties.verdict import HARNESS
 from verify.results import artifacts, report
 from verify.running import compile_warmup, stage_timing
 from verify.running.engine import run_property, search_rounds, seeds
@@ -426,6 +427,7 @@ class _Slice:
                 "artifact": str(path),
                 "shrunk": record["shrunk"],
                 "line": worst.line() if worst else error,
+                "harness": any(v.tier == HARNESS for v in failing),
             }
         )
         self.progress.failure()

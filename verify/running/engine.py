@@ -18,10 +18,11 @@ from hypothesis.errors import FlakyFailure
 
 from verify.cases.spec import CaseSpec
 from verify.cases.strategies import case_specs
-from verify.execution.runner import Runner
+from verify.distributed.errors import PoolError
+from verify.execution.runner import Runner, case_of
 from verify.properties.catalog import PROPERTIES, get
 from verify.properties.expected import compute_ahead
-from verify.properties.verdict import PropertyVerdict
+from verify.properties.verdict import PropertyVerdict, harness_error
 from verify.running import stage_timing
 from verify.running.profiles import profile_settings
 
@@ -52,7 +53,9 @@ def check_case(
     """Verdicts of ``properties`` (default: all) on ``spec``; ``backend`` overrides the spec's.
 
     Properties that do not apply to the spec add no verdict. TP > 1 specs need a runner with a
-    pool; without one, properties needing it are skipped (megatron) or raise `NeedsPool`.
+    pool; without one, properties needing it are skipped (megatron) or raise `NeedsPool`. An
+    exception of a property's own code becomes its failing `harness_error` verdict (the other
+    properties still run); one raised while running the case propagates.
     """
     if backend is not None:
         spec = spec.with_(backend=backend)
@@ -62,8 +65,13 @@ def check_case(
         compute_ahead(spec)  # R and B on this CPU while the GPU worker runs the kernel
     verdicts: list[PropertyVerdict] = []
     for name in names:
-        with stage_timing.stage("compare"):  # less the stages nested in the check
-            verdicts.extend(get(name).check(spec, runner))
+        try:
+            with stage_timing.stage("compare"):  # less the stages nested in the check
+                verdicts.extend(get(name).check(spec, runner))
+        except Exception as exc:
+            if case_of(exc) is not None or isinstance(exc, PoolError):
+                raise  # the implementation or the pool: the caller's to judge
+            verdicts.append(harness_error(name, spec, exc))  # the other properties go on
     return verdicts
 
 

@@ -118,6 +118,11 @@ class ImplReport:
         return all(o.passed for o in self.outcomes)
 
     @property
+    def implementation_failed(self) -> bool:
+        """A failure that is a verdict on the implementation (not a harness error)."""
+        return any(v.tier != HARNESS for o in self.outcomes for f in o.failures for v in f.verdicts)
+
+    @property
     def harness_errors(self) -> list[PropertyVerdict]:
         """Verdicts recording an exception of the harness's own code (with its traceback)."""
         return [

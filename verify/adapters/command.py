@@ -37,9 +37,9 @@ def run_impl(args: argparse.Namespace) -> int:
     for line in report.failure_lines():
         print(f"  {line}")
     print(f"report: {out / 'impl-report.md'} (JSON {out / 'impl-report.json'})")
-    if report.harness_errors:
-        return EXIT_HARNESS
-    return EXIT_PASS if report.passed else EXIT_FAIL
+    if report.implementation_failed:
+        return EXIT_FAIL  # a verdict on the implementation outranks a harness error
+    return EXIT_HARNESS if report.harness_errors else EXIT_PASS
 
 
 def replay_with_impl(files: list[Path], impl: str | None, times: int, device: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from my_kernel import token_logprobs_entropy
 
-from verify.adapters import Adapter, Call, Capabilities, NumericalContract
+from verify.adapters import Adapter, Call, Capabilities, Limits, NumericalContract
 
 
 def _token_outputs(call: Call) -> dict:
@@ -20,22 +20,18 @@ def _token_outputs(call: Call) -> dict:
     }
 
 
-def _loss(call: Call, reduction: str):
-    logprobs = _token_outputs(call)["logprobs"]
-    if reduction == "none":
-        return -logprobs
-    total = -logprobs.sum()
-    return total if reduction == "sum" else total / (call.targets != call.ignore_index).sum()
-
-
 def adapter() -> Adapter:
     """What `--lce-impl lce_adapter:adapter` resolves to."""
     return Adapter(
         name="my_kernel",
-        outputs=("logprobs", "entropy", "loss"),
+        outputs=("logprobs", "entropy"),  # per-token outputs only: no loss
         token_outputs=_token_outputs,
-        loss=_loss,
-        capabilities=Capabilities(temperature=True, deterministic=True),
+        capabilities=Capabilities(
+            temperature=True,
+            deterministic=True,
+            strided=False,  # it asserts contiguous inputs
+            limits=Limits(hidden_multiple=128),  # it asserts hidden_size % 128 == 0
+        ),
         contract=NumericalContract(logits="fp32", outputs="fp32"),
         description="my_kernel.token_logprobs_entropy",
     )

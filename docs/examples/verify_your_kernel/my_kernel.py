@@ -1,7 +1,8 @@
 """A user's chunked linear cross-entropy (the code under test): per-token log-probs and entropy.
 
-Stands for any kernel a team maintains (a vendored Triton kernel, an NPU port): it only has to be
-callable from PyTorch and differentiable.
+Stands for any kernel a team maintains (a vendored Triton kernel in an RL trainer, an NPU port):
+it only has to be callable from PyTorch and differentiable. Like such kernels it computes no loss
+and has limits it asserts: H a multiple of 128 (its tile), contiguous inputs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def token_logprobs_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [N, H]``, ``weight [V, H]``, ``targets [N]`` -> fp32 ``(logprobs, entropy)`` of
     ``softmax(hidden @ weight.T / temperature)``; 0 where ``targets == ignore_index``."""
+    assert hidden.shape[1] % 128 == 0, "hidden_size must be a multiple of 128"
+    assert hidden.is_contiguous() and weight.is_contiguous()
     valid = targets != ignore_index
     safe = torch.where(valid, targets, 0)
     logprobs, entropy = [], []

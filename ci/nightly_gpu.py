@@ -5,14 +5,14 @@
 Steps: environment, the compiled kernel's stage tests, the kernel benchmark, the megatron-core
 check, the regression corpus and the mutation self-test on the Triton backend, the ``nightly``
 campaign on both backends at every TP degree the GPUs allow (NCCL), and the peer adapters (Liger,
-CCE). Each step is measured against its share of the time still left (its share over the shares of
-the steps still to run), so time a fast step leaves goes to the later ones. The campaign and the
-adapters are elastic: told their limit, they stop inside it. A step with fixed work may run to
-`FIXED_SLACK` times its share (its time follows the machine's compile speed: the kernel tests took
-23 s on one H100 and 35 s on another), leaving each later step at least `MIN_STEP_S`; the elastic
-steps absorb the difference. A step past its limit is killed and fails. Writes
-``DIR/summary.md``, ``DIR/summary.json``, ``DIR/nightly.log`` and each step's own files; exits 1
-if any step failed.
+CCE, verl: each one whose package is importable). Each step is measured against its share of the
+time still left (its share over the shares of the steps still to run), so time a fast step leaves
+goes to the later ones. The campaign and the adapters are elastic: told their limit, they stop
+inside it. A step with fixed work may run to `FIXED_SLACK` times its share (its time follows the
+machine's compile speed: the kernel tests took 23 s on one H100 and 35 s on another), leaving each
+later step at least `MIN_STEP_S`; the elastic steps absorb the difference. A step past its limit is
+killed and fails. Writes ``DIR/summary.md``, ``DIR/summary.json``, ``DIR/nightly.log`` and each
+step's own files; exits 1 if any step failed.
 """
 
 from __future__ import annotations

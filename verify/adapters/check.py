@@ -4,7 +4,10 @@
 under the profile (``minutes=None``: the ``ci`` way, bounded examples) or in seeded batches until a
 time budget is spent (the ``nightly`` way). In a timed search a failure does not end the property:
 later batches leave out the failure's trigger (`trigger`), so one cheap failure cannot hide the
-others. Each shrunk failure becomes a failure artifact (the engine's format plus ``impl``) that
+others. The implementation raising on a valid case (an undeclared limit) is reported once, and
+every later search leaves it out (`Refusals`). An exception of the harness's own code becomes
+that property's ``harness`` verdict, with its traceback; the other properties go on. Each shrunk
+failure becomes a failure artifact (the engine's format plus ``impl``) that
 `verify.adapters.replay_impl` re-runs.
 """
 

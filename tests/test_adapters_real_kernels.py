@@ -119,6 +119,10 @@ def test_limits_fit_specs_and_name_violations() -> None:
     assert not limits.violations(fitted)
     assert len(limits.violations(spec)) == 3
     assert Limits(even_shards=True).fit(CaseSpec(vocab=13, tp=4)).vocab == 16
+    uneven = CaseSpec(vocab=16, tp=2, shards=(10, 6))  # explicit unequal shards
+    assert Limits(even_shards=True).fit(uneven) == uneven.with_(shards=None)
+    assert Limits().fit(uneven) is uneven and not Limits().violations(uneven)
+    assert Limits(vocab_multiple=2).violations(uneven)  # multiples imply equal shards
     assert Limits().fit(spec) is spec
     adapter = Adapter("a", ("logprobs",), materialized_impl.token_outputs,
                       capabilities=Capabilities(limits=limits))  # fmt: skip

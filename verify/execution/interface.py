@@ -93,14 +93,16 @@ class Limits:
         return self.vocab_multiple * (tp if even else 1)
 
     def fit(self, spec: CaseSpec) -> CaseSpec:
-        """``spec`` with H, V and the token count rounded up into the limits."""
+        """``spec`` with H, V and the token count rounded up into the limits (vocab shards then
+        split evenly when the limits ask for it)."""
         rows = max(spec.batch, 1)
-        vocab_step = self.shard_multiple(spec.tp)
         changes = {
             "hidden_size": _round_up(spec.hidden_size, self.hidden_multiple),
-            "vocab": _round_up(spec.vocab, vocab_step),
             "tokens": max(spec.tokens, -(-self.min_tokens // rows)),
         }
+        if self._shard_violation(spec):
+            changes["vocab"] = _round_up(spec.vocab, self.shard_multiple(spec.tp))
+            changes["shards"] = None
         changed = {k: v for k, v in changes.items() if v != getattr(spec, k)}
         return spec.with_(**changed) if changed else spec
 
@@ -109,12 +111,17 @@ class Limits:
         out = []
         if spec.hidden_size % self.hidden_multiple:
             out.append(f"hidden_size {spec.hidden_size} % {self.hidden_multiple} != 0")
-        step = self.shard_multiple(spec.tp)
-        if spec.vocab % step:
-            out.append(f"vocab {spec.vocab} at tp={spec.tp} is not a multiple of {step}")
+        if self._shard_violation(spec):
+            out.append(f"vocab shards {[b - a for a, b in spec.shard_bounds()]} not equal "
+                       f"multiples of {self.vocab_multiple}")  # fmt: skip
         if spec.num_tokens < self.min_tokens:
             out.append(f"{spec.num_tokens} tokens < min_tokens {self.min_tokens}")
         return out
+
+    def _shard_violation(self, spec: CaseSpec) -> bool:
+        sizes = [stop - start for start, stop in spec.shard_bounds()]
+        even = self.even_shards or self.vocab_multiple > 1
+        return any(n % self.vocab_multiple for n in sizes) or (even and not spec.even_shards)
 
     def lines(self) -> list[str]:
         """The declared limits, one phrase each (for "not tested")."""
@@ -124,7 +131,7 @@ class Limits:
         if self.vocab_multiple > 1:
             out.append(f"vocab rows per rank not a multiple of {self.vocab_multiple}")
         if self.even_shards or self.vocab_multiple > 1:
-            out.append("uneven vocab shards (vocab % tp != 0)")
+            out.append("uneven vocab shards (ranks holding different row counts)")
         if self.min_tokens > 0:
             out.append(f"fewer than {self.min_tokens} tokens")
         return out

@@ -234,26 +234,30 @@ class Refusals:
     adapter: Adapter
     runner: Any
     triggers: list[dict[str, Any]] = field(default_factory=list)
+    reported: list[Failure] = field(default_factory=list)
     everything: str = ""
 
     def allows(self, spec: CaseSpec) -> bool:
         return not any(_has(spec, found) for found in self.triggers)
 
     def trigger(self, spec: CaseSpec) -> dict[str, Any]:
-        """`trigger`, plus each size the refusal needs: a size of the shrunk ``spec`` whose
-        simplest value makes the implementation accept it (a kernel refusing 1 token, say)."""
-        found = trigger(self.adapter, spec)
+        """The fields of a refused ``spec`` the refusal needs, sizes included: each field away
+        from the simplest spec's value whose simplest value makes the implementation accept the
+        case (a kernel refusing 1 token, say). Landmark specs are not shrunk, so each field is
+        tried, not assumed."""
         simplest = coerce(self.adapter, CaseSpec())
-        for name in SIZES:
+        found = {}
+        for name in (*SIZES, *TRIGGER_FIELDS):
             value = getattr(spec, name)
             if value == getattr(simplest, name):
                 continue
             try:
                 probe = spec.with_(**{name: getattr(simplest, name)})
             except ValueError:
-                continue  # e.g. vocab < tp
-            fits = not self.adapter.capabilities.limits.violations(probe)
-            if fits and self.runner.run(probe).status == "ok":
+                found[name] = value  # e.g. vocab < tp: cannot tell, keep it
+                continue
+            outside = self.adapter.capabilities.limits.violations(probe)
+            if outside or self.runner.run(probe).status == "ok":
                 found[name] = value
         return found
 
@@ -262,13 +266,14 @@ class Refusals:
         one with a trigger to leave out was found (a further search can then go on)."""
         kept, new = [], False
         for failure in outcome.failures:
-            if not failure.refusal:
+            if not failure.refusal or any(failure is seen for seen in self.reported):
                 kept.append(failure)
                 continue
             found = self.trigger(failure.spec)
             if found in self.triggers or (not found and self.everything):
                 continue
             kept.append(failure)
+            self.reported.append(failure)
             if found:
                 self.triggers.append(found)
                 new = True

@@ -157,8 +157,8 @@ class Capabilities:
     ``deterministic``: claims bit-identical reruns. ``validates_inputs``: raises on invalid input
     (target out of range, temperature <= 0, shape mismatch) naming the argument. ``loss_paths``:
     values of ``Call.loss_path`` it distinguishes (``main_grad``: its loss adds the weight
-    gradient into a caller's buffer, checked by the main_grad property). ``limits``: the sizes it accepts
-    (`Limits`).
+    gradient into a caller's buffer, checked by the main_grad property). ``limits``: the sizes it
+    accepts (`Limits`).
     """
 
     reductions: tuple[str, ...] = REDUCTIONS

@@ -103,7 +103,9 @@ def test_timed_search_stops_inside_its_budget() -> None:
     began = time.monotonic()
     report = check_impl(from_loss_fn(_slow_cross_entropy), profile="nightly", minutes=0.05)
     elapsed = time.monotonic() - began
-    assert elapsed < 3.0 + 2.0, elapsed  # slack: one example per call (forward + backward)
+    # The old batch-level stop took ~60 s. Slack: one example past the deadline (0.3 s sleep,
+    # R, B and the comparison), which reached 2.1 s on a loaded 2-core machine.
+    assert elapsed < 3.0 + 5.0, elapsed
     assert report.passed, "\n".join(report.failure_lines())
     assert report.outcomes and not any(o.vacuous for o in report.outcomes)  # cut-off batches count
     skipped = [u for u in report.untested if u.reason == "not run: the time budget was spent"]
@@ -125,7 +127,7 @@ def test_timed_search_keeps_failures_found_before_its_budget_ran_out() -> None:
         from_loss_fn(slow_broken), profile="nightly", minutes=0.05, properties=["differential"]
     )
     (outcome,) = report.outcomes
-    assert outcome.failures and outcome.seconds < 3.0 + 2.0  # slack: one example
+    assert outcome.failures and outcome.seconds < 3.0 + 5.0  # slack: one example, as above
 
 
 def test_capabilities_map_unclaimed_features_away() -> None:

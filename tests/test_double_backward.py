@@ -1,5 +1,5 @@
-"""Double backward (``create_graph=True``): right on the torch backend's per-token path, a clear
-error everywhere else, never silent zeros."""
+"""Double backward (``create_graph=True``): right on the torch backend's default path (per-token
+outputs and the scalar loss), a clear error everywhere else, never silent zeros."""
 
 from __future__ import annotations
 
@@ -67,15 +67,40 @@ def test_gradient_penalty_equals_the_stock_path():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
 def test_unsupported_double_backward_raises_naming_it(backend, reduction):
+    """The torch backend's default path is differentiable twice for every reduction (the scalar
+    loss is a reduction of the per-token path); Triton refuses, never returning silent zeros."""
     hidden, weight, targets = _problem(torch.float32)
-    supported = backend == "torch" and reduction == "none"
     loss = lce.linear_cross_entropy(hidden, weight, targets, reduction=reduction, backend=backend)
-    if supported:
+    if backend == "torch":
         (grad,) = torch.autograd.grad(loss.sum(), weight, create_graph=True)
         assert grad.requires_grad
         return
     with pytest.raises(RuntimeError, match=r"double backward .*create_graph=True"):
         torch.autograd.grad(loss.sum(), weight, create_graph=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_the_3_gemm_loss_refuses_double_backward(backend, reduction):
+    """fast=True computes the gradients in the forward: nothing is left to differentiate."""
+    hidden, weight, targets = _problem(torch.float32)
+    loss = lce.linear_cross_entropy(
+        hidden, weight, targets, reduction=reduction, backend=backend, fast=True
+    )
+    with pytest.raises(RuntimeError, match=r"double backward .*create_graph=True"):
+        torch.autograd.grad(loss, weight, create_graph=True)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_scalar_loss_gradient_penalty_passes_gradgradcheck(reduction):
+    hidden, weight, targets = _problem()
+
+    def loss(hidden, weight):
+        return lce.linear_cross_entropy(
+            hidden, weight, targets, reduction=reduction, backend="torch", temperature=TEMPERATURE
+        )
+
+    assert torch.autograd.gradgradcheck(loss, (hidden, weight))
 
 
 def test_the_property_engine_checks_double_backward(monkeypatch):

@@ -88,3 +88,30 @@ def test_installed_harness_takes_a_users_tolerance_file(installed: Path, tmp_pat
             f"lce-verify replay: error: {mine}: unknown key(s) ['extra'] in the top level; "
             "allowed: ('schema', 'dtypes', 'exact')"
         )
+
+
+EXAMPLE = ROOT / "docs" / "examples" / "verify_your_kernel"
+
+
+def test_installed_run_impl_and_pytest_plugin_verify_a_users_kernel(
+    installed: Path, tmp_path: Path
+) -> None:
+    """A user's project outside the repository (the documented per-token-only example with
+    declared limits): ``run --impl`` and the pytest plugin both verify it from the wheel."""
+    project = tmp_path / "project"
+    shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("__pycache__"))
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), str(project)])}
+    environ.pop("LCE_TOLERANCES", None)
+    run = [sys.executable, "-m", "verify", "run", "--impl", "lce_adapter:adapter", "--tp", "1"]
+    run += ["--budget-s", "20", "--properties", "differential", "--out", str(tmp_path / "out")]
+    done = subprocess.run(
+        run, capture_output=True, text=True, timeout=300, cwd=project, env=environ
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "out" / "impl-report.json").is_file()
+    tests = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--lce-minutes", "0.2"]
+    done = subprocess.run(
+        tests, capture_output=True, text=True, timeout=300, cwd=project, env=environ
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout

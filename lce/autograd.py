@@ -55,7 +55,9 @@ class FusedLogprobEntropy(torch.autograd.Function):
             hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start,
             plan.options.temperature,
         )  # fmt: skip
-        merged = merge_stats(stats, shard.owns(kernel_targets), shard.group)
+        merged = merge_stats(
+            stats, shard.owns(kernel_targets), shard.group, plan.options.temperature
+        )
         zero = torch.zeros_like(merged.max)
         logprobs = torch.where(ignored, zero, merged.logprob)
         entropy = torch.where(ignored, zero, merged.entropy)

@@ -49,7 +49,7 @@ def loss_pass(
     logprobs, owners = per_token.unbind(0)
 
     def merge(stats: ShardStats, rows: slice) -> GlobalStats:
-        merged = merge_stats(select_rows(stats, rows), owned[rows], shard.group)
+        merged = merge_stats(select_rows(stats, rows), owned[rows], shard.group, temperature)
         logprobs[rows] = merged.logprob
         owners[rows] = merged.owners
         return merged

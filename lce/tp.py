@@ -121,9 +121,9 @@ class GlobalStats:
     ``1 - p_y = -expm1(log p_y)`` keep their relative precision (no ``1 - p`` cancellation).
     """
 
-    max: torch.Tensor  # m, the row max over all shards
+    max: torch.Tensor  # the row max over all shards in raw dot units (`ShardStats`); m = max / T
     log_sumexp: torch.Tensor  # log sum_j exp(z_j - m): lse = m + log_sumexp, never rounded whole
-    target_logit: torch.Tensor
+    target_centred: torch.Tensor  # z_y - m = (a_y - max) / T: exactly 0 when y is the max
     centred_mean: torch.Tensor  # E_p[z] - m
     owners: torch.Tensor  # how many shards hold the target id: 1 if valid, 0 if outside [0, V)
 
@@ -135,7 +135,7 @@ class GlobalStats:
     @property
     def logprob(self) -> torch.Tensor:
         """``z_y - lse = (z_y - m) - log_sumexp``: exactly ``-log_sumexp`` when y is the max."""
-        return (self.target_logit - self.max) - self.log_sumexp
+        return self.target_centred - self.log_sumexp
 
     @property
     def target_complement(self) -> torch.Tensor:
@@ -145,24 +145,29 @@ class GlobalStats:
     def target_grad(self, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor) -> torch.Tensor:
         """``d_z`` on the target lane, ``g_lp (1 - p_y) - g_ent p_y (z_y - E[z])``, uncancelled."""
         p_target = torch.exp(self.logprob)
-        spread = (self.target_logit - self.max) - self.centred_mean
+        spread = self.target_centred - self.centred_mean
         return grad_logprob * self.target_complement - grad_entropy * p_target * spread
 
 
 def merge_stats(
-    stats: ShardStats, target_owned: torch.Tensor, group: dist.ProcessGroup | None
+    stats: ShardStats,
+    target_owned: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    temperature: float,
 ) -> GlobalStats:
     """Combine each rank's shard stats: one MAX all-reduce, then one packed SUM all-reduce.
 
-    ``target_owned`` is a bool ``[T]``: this rank's shard holds the token's target id.
+    ``target_owned`` is a bool ``[T]``: this rank's shard holds the token's target id. The raw
+    maxima are subtracted before the ``1 / temperature`` scale, as the kernels centre each lane.
     """
+    inv_temp = 1.0 / temperature
     global_max = stats.max.clone()
     if group is not None:
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
     # A rank whose shard is empty (or whose row is all -inf) has max = -inf: it must add exactly 0.
     owned = torch.isfinite(stats.max)
     zero = torch.zeros_like(global_max)
-    shift = torch.where(owned, stats.max - global_max, zero)
+    shift = torch.where(owned, (stats.max - global_max) * inv_temp, zero)
     scale = torch.where(owned, torch.exp(shift), zero)
     # Re-centre sum exp(z - m_r) (z - m_r) on the global max M: add (m_r - M) * sumexp.
     sumexp_z = scale * (stats.sumexp_z + shift * stats.sumexp)
@@ -180,7 +185,7 @@ def merge_stats(
     return GlobalStats(
         max=global_max,
         log_sumexp=torch.log1p(nonmax),
-        target_logit=target_logit,
+        target_centred=(target_logit - global_max) * inv_temp,
         centred_mean=sumexp_z / (1.0 + nonmax),
         owners=owners,
     )

@@ -108,7 +108,8 @@ def reference_rows(hidden, weight, targets, vocab_start, temperature, upstream) 
         ref.target - ref.expected
     )
     return BackwardRows(
-        *(s.float() for s in (ref.max, ref.lse - ref.max, ref.expected - ref.max)),
+        (ref.max * temperature).float(),  # raw dot units, as `ShardStats.max`
+        *(s.float() for s in (ref.lse - ref.max, ref.expected - ref.max)),
         g_lp,
         g_ent,
         torch.where(ref.owned, target_grad, 0.0).float(),
@@ -127,14 +128,15 @@ def accumulation_tol(hidden, weight, temperature):
 
 def check_stats(stats, hidden, weight, targets, vocab_start, temperature):
     ref = reference_stats(hidden, weight, targets, vocab_start, temperature)
-    lse = stats.max.double() + torch.log(stats.sumexp.double())
-    expected = stats.max.double() + stats.sumexp_z.double() / stats.sumexp.double()
+    max_z = stats.max.double() / temperature  # max and target_logit come in raw dot units
+    lse = max_z + torch.log(stats.sumexp.double())
+    expected = max_z + stats.sumexp_z.double() / stats.sumexp.double()
     tol = accumulation_tol(hidden, weight, temperature)
     for name, got, want in [
-        ("max", stats.max, ref.max),
+        ("max", max_z, ref.max),
         ("lse", lse, ref.lse),
         ("expected_logit", expected, ref.expected),
-        ("target_logit", stats.target_logit, ref.target),
+        ("target_logit", stats.target_logit.double() / temperature, ref.target),
     ]:
         err = (got.double() - want).abs()
         bound = 2 * tol + 8 * 2.0**-24 * (1 + want.abs())
@@ -142,7 +144,7 @@ def check_stats(stats, hidden, weight, targets, vocab_start, temperature):
     # nonmax is a sum of exps: the logits' error (tol, on both sides of the max) is relative in
     # it, plus one fp32 rounding per added lane; rows below 1e-30 sit in fp32's subnormal range.
     # Relative, not eps(1): that is what keeps a confident row's log p_y and 1 - p_y precise.
-    nonmax = stats.sumexp_nonmax.double() * torch.exp(stats.max.double() - ref.max)
+    nonmax = stats.sumexp_nonmax.double() * torch.exp(max_z - ref.max)
     rel_bound = math.expm1(4 * tol + weight.shape[0] * 2.0**-24)
     err = (nonmax - ref.nonmax).abs()
     assert bool((err <= rel_bound * ref.nonmax + 1e-30).all()), f"nonmax: max err {err.max():.3e}"
@@ -336,7 +338,8 @@ def test_persistent_forward_matches_one_program_per_item(use_tma):
 
 def test_merge_partials_rescales_each_split_and_skips_unseen_ones():
     """float64 merge of hand-made partials: split 2 saw nothing on 30 rows, rows 0-4 saw nothing;
-    rows 50-59 have two splits tied at the max (one keeps its max lane's 1 out of the sum)."""
+    rows 50-59 have two splits tied at the max (one keeps its max lane's 1 out of the sum). The
+    maxima are raw dots: their differences are scaled by 1/T = 1/0.7 before the exp."""
     gen = torch.Generator().manual_seed(13)
     partials = torch.randn(4, 7, 100, generator=gen)
     partials[0] *= 5
@@ -344,11 +347,11 @@ def test_merge_partials_rescales_each_split_and_skips_unseen_ones():
     partials[1] = partials[1].abs() + 0.1
     partials[0, 2, :30] = partials[0, :, :5] = float("-inf")
     partials[1:, 2, :30] = partials[1:, :, :5] = 0.0
-    got = forward_kernel.merge_partials(partials.to(DEVICE))
+    got = forward_kernel.merge_partials(partials.to(DEVICE), 0.7)
     split_max, nonmax, sumexp_z, target = partials.double().unbind(0)
     row_max = split_max.amax(0)
     seen = split_max > float("-inf")
-    shift = torch.where(seen, split_max - row_max.clamp(min=-1e300), 0.0)
+    shift = torch.where(seen, (split_max - row_max.clamp(min=-1e300)) / 0.7, 0.0)
     scale = torch.where(seen, shift.exp(), 0.0)
     sumexp = torch.where(seen, 1 + nonmax, 0.0)
     expected = {
@@ -374,3 +377,29 @@ def test_bad_operands_raise_clear_errors():
         TileShape(block_t=32, block_v=48, block_h=32)
     with pytest.raises(ValueError, match="fp32_precision"):
         small_config(fp32_precision="fast")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_backward_centres_lanes_as_the_forward_did(backend):
+    """Under a common offset (here 300 / 0.7 in z) the gradient along the offset is exactly 0:
+    the d_logits of a row sum to 0 when the backward's p are those of the forward's log-sum-exp.
+
+    Hidden column 0 is the offset and weight column 0 all ones, so grad_hidden[:, 0] is the row's
+    sum of d_logits. Scaling lanes by 1/T before centring them on the rounded max z (the Triton
+    backward did, while its forward centred raw dots) put ~2^-24 |z| = 3e-5 into each p.
+    """
+    import lce
+
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(6, 16, generator=gen)
+    weight = torch.randn(50, 16, generator=gen)
+    hidden[:, 0], weight[:, 0] = 300.0, 1.0
+    targets = torch.randint(0, 50, (6,), generator=gen)
+    hidden, weight = hidden.to(DEVICE).requires_grad_(), weight.to(DEVICE)
+    out = lce.token_logprobs(hidden, weight, targets.to(DEVICE), temperature=0.7, backend=backend)
+    upstream = torch.randn(2, 6, generator=gen).to(DEVICE)
+    (out.logprobs * upstream[0] + out.entropy * upstream[1]).sum().backward()
+    along_offset = hidden.grad[:, 0].abs().max().item()
+    # Exactly 0 in exact math; left: p's and the GEMM's roundings, a few 2^-24 of the gradient's
+    # size (measured 2.2e-7 = 0.6 of 2^-24 * 6.6 on Triton; 3.4e-5 before the fix).
+    assert along_offset <= 8 * 2.0**-24 * hidden.grad[:, 1:].abs().max().item(), along_offset

@@ -20,12 +20,15 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 class ShardStats:
     """Per-token softmax statistics of one vocab shard, all fp32 ``[T]``.
 
-    With ``z = (hidden @ weight.T) / temperature`` restricted to the shard:
-    ``max = max_j z_j`` (``-inf`` for an empty shard), ``sumexp_nonmax = sum_j exp(z_j - max)``
+    With raw dots ``a = hidden @ weight.T`` and ``z = a / temperature`` restricted to the shard:
+    ``max = max_j a_j`` in raw dot units (``-inf`` for an empty shard; all ranks share the
+    temperature, so the TP MAX merge is the same in either unit) and every lane is centred before
+    the scale, ``z_j - max_z = (a_j - max) / temperature``: the max lane's is exactly 0 and no lane
+    carries a rounding at the logits' magnitude. ``sumexp_nonmax = sum_j exp(z_j - max_z)``
     over every lane but one max lane (whose term is exactly 1: kept apart, ``log sumexp`` is
     ``log1p(sumexp_nonmax)`` and keeps its precision on confident rows, where ``1 + small``
-    would round it to eps(1)), ``sumexp_z = sum_j exp(z_j - max) * (z_j - max)`` (centred on the
-    shard max, so entropy keeps its precision under huge common offsets), ``target_logit = z_y``
+    would round it to eps(1)), ``sumexp_z = sum_j exp(z_j - max_z) * (z_j - max_z)`` (centred on
+    the shard max, so entropy keeps its precision under huge common offsets), ``target_logit = a_y``
     if the global target id ``y`` lies in ``[vocab_start, vocab_start + V_local)`` else 0. An
     empty shard gives max = -inf and zeros elsewhere.
     """
@@ -45,10 +48,12 @@ class ShardStats:
 class BackwardRows:
     """Per-token fp32 ``[T]`` inputs of the backward stage, global over all shards.
 
-    ``log p_j = (z_j - max) - log_sumexp`` and ``z_j - E[z] = (z_j - max) - centred_mean``, so
-    nothing is rounded at the logits' magnitude. Off the target lane
-    ``d_z = -p * (grad_logprob + grad_entropy * (z - E[z]))``; on it ``d_z = target_grad``,
-    computed per token from the statistics without cancellation (see `lce.tp.GlobalStats`).
+    ``max`` is in raw dot units as in `ShardStats`; with ``c_j = (a_j - max) / temperature``
+    (centred exactly as the forward centred it), ``log p_j = c_j - log_sumexp`` and
+    ``z_j - E[z] = c_j - centred_mean``, so nothing is rounded at the logits' magnitude. Off the
+    target lane ``d_z = -p * (grad_logprob + grad_entropy * (z - E[z]))``; on it
+    ``d_z = target_grad``, computed per token from the statistics without cancellation (see
+    `lce.tp.GlobalStats`).
     ``grad_logprob``/``grad_entropy`` may have any stride and are zero on ignored rows.
     """
 

@@ -51,8 +51,8 @@ class TorchChunkedStages:
             return stats
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         for rows in self._chunks(hidden.shape[0], weight.shape[0]):
-            z = _logits(hidden[rows], weight, temperature)
-            _chunk_stats(z, local[rows], owned[rows], stats, rows)
+            logits = _logits(hidden[rows], weight)
+            _chunk_stats(logits, local[rows], owned[rows], stats, rows, temperature)
         return stats
 
     def backward_grads(
@@ -71,8 +71,10 @@ class TorchChunkedStages:
             return grad_hidden, grad_weight
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         for chunk in self._chunks(hidden.shape[0], weight.shape[0]):
-            z = _logits(hidden[chunk], weight, temperature)
-            d = _chunk_dlogits(z, select_rows(rows, chunk), local[chunk], owned[chunk], temperature)
+            logits = _logits(hidden[chunk], weight)
+            d = _chunk_dlogits(
+                logits, select_rows(rows, chunk), local[chunk], owned[chunk], temperature
+            )
             _accumulate(d, hidden, weight, chunk, grad_hidden, grad_weight)
         return grad_hidden, grad_weight
 
@@ -142,12 +144,13 @@ class TorchChunkedStages:
             if weight.shape[0] == 0:
                 merge(stats, rows)
                 continue
-            z = _logits(hidden[rows], weight, temperature)
-            e = _chunk_stats(z, local[rows], owned[rows], stats, rows)
-            del z
+            logits = _logits(hidden[rows], weight)
+            e = _chunk_stats(logits, local[rows], owned[rows], stats, rows, temperature)
+            del logits
             merged = merge(stats, rows)
             # p = exp(z - m_local) * exp(m_local - M - log_sumexp): one multiply, not another exp.
-            to_p = torch.exp(stats.max[rows] - merged.max - merged.log_sumexp)
+            shift = (stats.max[rows] - merged.max) * (1.0 / temperature)
+            to_p = torch.exp(shift - merged.log_sumexp)
             g_lp = grad_logprob[rows].to(e.dtype) / temperature
             d = e.mul_((-g_lp * to_p)[:, None])
             _set_target_lane(d, local[rows], owned[rows], g_lp * merged.target_complement)
@@ -178,11 +181,9 @@ def _grad_buffers(
     )
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = (hidden @ weight.T).to(accumulation_dtype(weight.dtype))
-    if temperature != 1.0:
-        logits.mul_(1.0 / temperature)
-    return logits
+def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Raw dots ``hidden @ weight.T``; the 1/T scale comes after centring (see `ShardStats`)."""
+    return (hidden @ weight.T).to(accumulation_dtype(weight.dtype))
 
 
 def _local_targets(
@@ -195,19 +196,20 @@ def _local_targets(
 
 
 def _chunk_stats(
-    z: torch.Tensor,
+    logits: torch.Tensor,
     local: torch.Tensor,
     owned: torch.Tensor,
     stats: ShardStats,
     rows: slice,
+    temperature: float,
 ) -> torch.Tensor:
-    """Write the chunk's shard stats into ``stats[rows]``; centres ``z`` in place and returns
-    ``exp(z - shard max)``."""
-    picked = z.gather(1, local[:, None]).squeeze(1)
+    """Write the chunk's shard stats into ``stats[rows]``; centres and scales ``logits`` in place
+    into ``z - shard max`` and returns its ``exp``."""
+    picked = logits.gather(1, local[:, None]).squeeze(1)
     stats.target_logit[rows] = torch.where(owned, picked, torch.zeros_like(picked))
-    row_max, max_lane = z.max(dim=1, keepdim=True)
+    row_max, max_lane = logits.max(dim=1, keepdim=True)
     stats.max[rows] = row_max.squeeze(1)
-    z.sub_(row_max)
+    z = _centred(logits, row_max, temperature)
     e = torch.exp(z)
     stats.sumexp_z[rows] = (e.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
     # The max lane's exp(0) = 1 leaves the sum by a second pass, not by subtraction (sumexp - 1
@@ -218,20 +220,28 @@ def _chunk_stats(
     return e
 
 
+def _centred(logits: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``(logits - row_max) / T`` in place: the max lane exactly 0, forward and backward alike."""
+    logits.sub_(row_max)
+    if temperature != 1.0:
+        logits.mul_(1.0 / temperature)
+    return logits
+
+
 def _chunk_dlogits(
-    z: torch.Tensor,
+    logits: torch.Tensor,
     rows: BackwardRows,
     local: torch.Tensor,
     owned: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
-    """``d_logits = d_z / temperature`` of the chunk (see `BackwardRows`), in ``z``'s buffer."""
-    g_lp = rows.grad_logprob[:, None].to(z.dtype) / temperature
-    g_ent = rows.grad_entropy[:, None].to(z.dtype) / temperature
-    centred = z.sub_(rows.max[:, None])
+    """``d_logits = d_z / temperature`` of the chunk (see `BackwardRows`), in ``logits``' buffer."""
+    g_lp = rows.grad_logprob[:, None].to(logits.dtype) / temperature
+    g_ent = rows.grad_entropy[:, None].to(logits.dtype) / temperature
+    centred = _centred(logits, rows.max[:, None], temperature)
     p = (centred - rows.log_sumexp[:, None]).exp_()
     d = centred.sub_(rows.centred_mean[:, None]).mul_(g_ent).add_(g_lp).mul_(p).neg_()
-    _set_target_lane(d, local, owned, rows.target_grad.to(z.dtype) / temperature)
+    _set_target_lane(d, local, owned, rows.target_grad.to(logits.dtype) / temperature)
     return d
 
 

@@ -66,10 +66,10 @@ class MutantStages:
         return self.inner.loss_grads_in_forward(*args)
 
 
-def _recentre(stats: ShardStats, new_max: torch.Tensor) -> ShardStats:
-    """``stats`` re-centred on ``new_max`` in their own dtype (so lanes underflow exactly as a
-    kernel computing ``exp(z - new_max)`` would)."""
-    shift = stats.max - new_max
+def _recentre(stats: ShardStats, new_max: torch.Tensor, temperature: float) -> ShardStats:
+    """``stats`` re-centred on ``new_max`` (raw dot units, as `ShardStats.max`) in their own dtype
+    (so lanes underflow exactly as a kernel computing ``exp((a - new_max) / T)`` would)."""
+    shift = (stats.max - new_max) / temperature
     scale = torch.exp(shift)
     return replace(
         stats,
@@ -82,7 +82,7 @@ def _recentre(stats: ShardStats, new_max: torch.Tensor) -> ShardStats:
 
 class MaxStartsAtZero(MutantStages):
     def bend_stats(self, stats, vocab_local, temperature):
-        return _recentre(stats, stats.max.clamp_min(0.0))
+        return _recentre(stats, stats.max.clamp_min(0.0), temperature)
 
 
 class PaddedLanesZero(MutantStages):
@@ -90,12 +90,14 @@ class PaddedLanesZero(MutantStages):
         pad = -vocab_local % PAD_LANES
         if pad == 0:
             return stats
-        stats = _recentre(stats, stats.max.clamp_min(0.0))  # pad lanes hold logit 0, not -inf
-        lanes = pad * torch.exp(-stats.max)
+        # pad lanes hold logit 0, not -inf
+        stats = _recentre(stats, stats.max.clamp_min(0.0), temperature)
+        centred = -stats.max / temperature  # a pad lane's z - max z
+        lanes = pad * torch.exp(centred)
         return replace(
             stats,
             sumexp_nonmax=stats.sumexp_nonmax + lanes,
-            sumexp_z=stats.sumexp_z + lanes * -stats.max,
+            sumexp_z=stats.sumexp_z + lanes * centred,
         )
 
 

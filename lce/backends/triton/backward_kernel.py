@@ -76,15 +76,17 @@ def _dlogits_kernel(
             hidden, weight, rows, offs_v % C, H, stride_ht, stride_hh, stride_wv, stride_wh,
             BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, BF16_INTERPRETED, PRECISION,
         )  # fmt: skip
-    z = acc * inv_temp
-    row_max = tl.load(max_ptr + rows)
+    row_max = tl.load(max_ptr + rows)  # raw dot units, as the forward's running max
     log_sumexp = tl.load(log_sumexp_ptr + rows)
     centred_mean = tl.load(centred_mean_ptr + rows)
     g_lp = tl.load(grad_logprob_ptr + rows * stride_glp)
     g_ent = tl.load(grad_entropy_ptr + rows * stride_gent)
     target_grad = tl.load(target_grad_ptr + rows)
     local_target = tl.load(targets_ptr + rows) - chunk_start
-    centred = z - row_max[:, None]
+    # Centred before the scale exactly as the forward centred the lane (z - max z rounded once,
+    # relative to the lane's distance from the max): scaling first and subtracting the rounded
+    # max z left ~2^-24 |z| in p that the forward's log-sum-exp did not share (shift-variant).
+    centred = (acc - row_max[:, None]) * inv_temp
     p = tl.exp(centred - log_sumexp[:, None])
     d_z = -p * (g_lp[:, None] + g_ent[:, None] * (centred - centred_mean[:, None]))
     is_target = offs_v[None, :] == local_target[:, None]
@@ -128,9 +130,9 @@ def dlogits_chunk(
         **operand_args(hidden, weight_chunk, tiles, config.use_tma),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
         PRECISION=config.fp32_precision, **tiles.launch_options(),
-        # No FMA contraction: `acc * inv_temp - max` fused keeps the product's rounding residual
-        # (~2^-24 |z|), so the max lane's z - max is not the forward's 0; on a confident row the
-        # entropy term weights it by p ~ 1 against a tiny E[z] - max. The epilogue's few flops
-        # per logit are noise next to the tile's 2H-flop dot.
+        # No FMA contraction: the epilogue must round as the forward's does (a fused
+        # `(acc - max) * inv_temp - log_sumexp` would keep residuals the forward's sums lack; on a
+        # confident row the entropy term weights them by p ~ 1 against a tiny E[z] - max). The
+        # epilogue's few flops per logit are noise next to the tile's 2H-flop dot.
         enable_fp_fusion=False,
     )  # fmt: skip

@@ -166,18 +166,20 @@ def _forward_partials_kernel(
                 )  # fmt: skip
 
         out = partials_ptr + pid_s.to(tl.int64) * T + offs_t
-        tl.store(out, row_max * inv_temp, mask=in_t)  # max z, rounded as target_logit is
+        tl.store(out, row_max, mask=in_t)  # raw units: the backward centres lanes on it
         out += plane  # plane = splits * T; stepping by it keeps every offset in range
         tl.store(out, sumexp_nonmax, mask=in_t)
         out += plane
         tl.store(out, sumexp_z, mask=in_t)
         out += plane
-        tl.store(out, target_acc * inv_temp, mask=in_t)
+        tl.store(out, target_acc, mask=in_t)
 
 
 @triton.jit(do_not_specialize=["T", "num_splits", "plane"])  # see _forward_partials_kernel
-def _merge_partials_kernel(partials_ptr, out_ptr, T, num_splits, plane, BLOCK: tl.constexpr):
-    """Per token: the max over splits, then each split's sums rescaled onto it and added (the
+def _merge_partials_kernel(
+    partials_ptr, out_ptr, T, num_splits, plane, inv_temp, BLOCK: tl.constexpr
+):
+    """Per token: the (raw) max over splits, then each split's sums rescaled onto it and added (the
     non-max terms as in `lce.tp.merge_stats`: one split at the max keeps its 1 out)."""
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_t = offs_t < T
@@ -195,7 +197,8 @@ def _merge_partials_kernel(partials_ptr, out_ptr, T, num_splits, plane, BLOCK: t
         split_max = tl.load(at, mask=in_t, other=float("-inf"))
         # A split with no finite logit (max -inf) adds exactly 0.
         seen = split_max > float("-inf")
-        shift = tl.where(seen, split_max - tl.where(seen, row_max, 0.0), 0.0)  # no inf - inf
+        # Raw maxima subtracted before the scale, as each lane was centred; no inf - inf.
+        shift = tl.where(seen, (split_max - tl.where(seen, row_max, 0.0)) * inv_temp, 0.0)
         scale = tl.where(seen, tl.exp(shift), 0.0)
         holds_max = seen & (split_max == row_max)
         split_nonmax = tl.load(at + plane, mask=in_t, other=0.0)
@@ -211,7 +214,7 @@ def _merge_partials_kernel(partials_ptr, out_ptr, T, num_splits, plane, BLOCK: t
     tl.store(out_ptr + 3 * T + offs_t, target_logit, mask=in_t)
 
 
-def merge_partials(partials: torch.Tensor) -> ShardStats:
+def merge_partials(partials: torch.Tensor, temperature: float) -> ShardStats:
     """Fold ``[4, splits, T]`` per-split partials (`ShardStats` order) into one `ShardStats`.
 
     One pass over the partials (torch ops took ~0.3 ms at llama3-8k on an H100, 2.5% of a GEMM).
@@ -226,6 +229,7 @@ def merge_partials(partials: torch.Tensor) -> ShardStats:
         num_tokens,
         num_splits,
         num_splits * num_tokens,
+        1.0 / temperature,
         BLOCK=MERGE_BLOCK,
         num_warps=4,
     )

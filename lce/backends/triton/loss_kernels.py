@@ -69,11 +69,11 @@ def _row_stats_kernel(
     first_max = tl.min(tl.where(lane_max == row_max, cols, BLOCK_V), axis=0)
     own_max = tl.where(seen & (cols != first_max), scale, 0.0)
     out = stats_ptr + row
-    tl.store(out, row_max * inv_temp)
+    tl.store(out, row_max)  # raw dot units (`ShardStats`)
     tl.store(out + plane, tl.sum(scale * lane_nonmax + own_max, axis=0))
     total = tl.where(seen, 1.0 + lane_nonmax, 0.0)
     tl.store(out + 2 * plane, tl.sum(scale * (lane_sum_z + shift * total), axis=0))
-    tl.store(out + 3 * plane, tl.sum(lane_target, axis=0) * inv_temp)
+    tl.store(out + 3 * plane, tl.sum(lane_target, axis=0))
 
 
 def row_stats_into(
@@ -121,8 +121,9 @@ def _row_dlogits_kernel(
         offs = tile_start + cols
         in_v = offs < V
         acc = tl.load(logits_ptr + row * stride_lt + offs, mask=in_v, other=0.0)
-        z = acc.to(tl.float32) * inv_temp
-        d = coef * tl.exp((z - row_max) - log_sumexp)
+        # Centred before the scale, as the statistics were (`ShardStats`): no rounding at |z|.
+        centred = (acc.to(tl.float32) - row_max) * inv_temp
+        d = coef * tl.exp(centred - log_sumexp)
         d = tl.where(offs == local_target, target_grad, d)
         if BF16_INTERPRETED:
             d = round_bf16_rne(d)  # the interpreter's bf16 cast truncates
@@ -153,7 +154,8 @@ def row_dlogits(
         1.0 / temperature, logits.stride(0), out.stride(0), BLOCK_V=_block_v(),
         BF16_INTERPRETED=interpreting() and out.dtype == torch.bfloat16,
         num_warps=8,
-        # `z - max` must be exactly 0 on the max lane, as in the backward kernel: no FMA.
+        # No FMA: each lane centred and rounded as the row statistics rounded it (see the backward
+        # kernel).
         enable_fp_fusion=False,
     )  # fmt: skip
 

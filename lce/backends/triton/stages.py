@@ -80,7 +80,8 @@ class TritonStages:
             merge_partials(
                 forward_partials(
                     hidden[rows], weight, targets[rows], vocab_start, temperature, self._config()
-                )
+                ),
+                temperature,
             )
             for rows in self._token_blocks(num_tokens)
         ]

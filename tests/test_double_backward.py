@@ -119,3 +119,17 @@ def test_the_property_engine_checks_double_backward(monkeypatch):
     monkeypatch.setattr(TorchChunkedStages, "grads_with_graph", detached)
     verdicts = check_case(spec, properties=["double_backward"])
     assert [v.passed for v in verdicts] == [False, False], [v.line() for v in verdicts]
+
+
+@pytest.mark.parametrize("ignore_index", [-1, 0])
+def test_the_property_uses_the_specs_ignore_index(ignore_index):
+    """The GPU nightly's campaign drew ignore_index=-1: the property passed lce -100 and lce
+    rightly refused the target -1, a harness error in the report."""
+    from verify.cases.spec import CaseSpec
+    from verify.running.engine import check_case
+
+    spec = CaseSpec(tokens=7, vocab=11, seed=5, ignore="first", ignore_index=ignore_index)
+    for reduction in ("none", "sum"):
+        verdicts = check_case(spec.with_(reduction=reduction), properties=["double_backward"])
+        assert len(verdicts) == 2 and all(v.passed for v in verdicts), [v.line() for v in verdicts]
+        assert all(v.tier != "harness" for v in verdicts)

@@ -1,8 +1,9 @@
 """Double backward (a backward with ``create_graph=True``): right, or refused with a clear error.
 
-lce's contract: the torch backend's per-token outputs without TP support it (checked in float64
-along random directions against central differences); every other path raises a RuntimeError
-naming double backward and ``create_graph``.
+lce's contract: the torch backend's default path without TP supports it, per-token outputs and
+the scalar loss alike (checked in float64 along random directions against central differences);
+every other path raises a RuntimeError naming double backward and ``create_graph``. The check runs
+in this process on the pool's device (CUDA in a GPU campaign: Triton needs CUDA tensors there).
 A path that does neither (returns second-order terms without being right) fails, whatever the
 backend: a silent zero was the bug this property was written for.
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 import lce
-from verify.cases.build import IGNORE_INDEX, build
+from verify.cases.build import build
 from verify.cases.spec import CaseSpec
 from verify.execution.runner import Runner
 from verify.properties.verdict import PropertyVerdict, flag
@@ -36,25 +37,27 @@ def double_backward(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     problem = build(spec)
     # Triton computes in fp32 at most: it is checked for its refusal, on the spec's dtypes.
     dtype = torch.float64 if spec.backend == "torch" else problem.weight.dtype
+    device = torch.device(runner.pool.device if runner.pool is not None else "cpu")
     hidden, weight = (
-        t.detach().to(dtype).requires_grad_() for t in (problem.hidden, problem.weight)
+        t.detach().to(device, dtype).requires_grad_() for t in (problem.hidden, problem.weight)
     )
+    targets = problem.targets.to(device)
     options = dict(
-        ignore_index=IGNORE_INDEX, temperature=spec.temperature, backend=spec.backend,
+        ignore_index=problem.ignore_index, temperature=spec.temperature, backend=spec.backend,
         chunk_size=spec.chunk_size,
     )  # fmt: skip
 
     def tokens(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(lce.token_logprobs(h, w, problem.targets, **options))
+        return tuple(lce.token_logprobs(h, w, targets, **options))
 
     def loss(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return lce.linear_cross_entropy(h, w, problem.targets, reduction=spec.reduction, **options)
+        return lce.linear_cross_entropy(h, w, targets, reduction=spec.reduction, **options)
 
     supported = spec.backend == "torch"
     with applied(runner.mutant):
         return [
             _check(spec, "token_outputs", tokens, (hidden, weight), must_work=supported),
-            _check(spec, f"loss_{spec.reduction}", loss, (hidden, weight), must_work=False),
+            _check(spec, f"loss_{spec.reduction}", loss, (hidden, weight), must_work=supported),
         ]
 
 
@@ -102,7 +105,7 @@ def _second_order(
     gen = torch.Generator().manual_seed(seed)
 
     def like(t: torch.Tensor) -> torch.Tensor:
-        return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        return torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
 
     def outputs(xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         out = fn(*xs)

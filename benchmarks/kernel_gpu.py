@@ -196,7 +196,7 @@ def breakdown(num_tokens: int, hidden_size: int, vocab: int) -> dict:
     hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"].clamp(min=-1)
     stages = TritonStages()
     stats = stages.forward_stats(hidden, weight, targets, 0, 1.0)
-    merged = merge_stats(stats, targets >= 0, None)
+    merged = merge_stats(stats, targets >= 0, None, 1.0)  # temperature 1, as forward_stats
     g_lp = inp["upstream"]
     g_ent = torch.zeros_like(g_lp)
     rows = BackwardRows(

@@ -18,16 +18,9 @@ from lce.backends.triton.operands import operand_args
 from lce.backends.triton.tiles import grouped_tile, logits_tile, logits_tile_tma, round_bf16_rne
 
 
-# Unspecialized as in forward_kernel._forward_partials_kernel, and the upstream gradients'
-# strides too (0, 1 or 2 in the harness). d_logits' row stride stays specialized: the stages pad
-# it to 16 elements, so the stores stay vectorized with one compiled variant.
-@triton.jit(
-    do_not_specialize=[
-        "T", "C", "H", "chunk_start", "stride_ht", "stride_hh", "stride_wv", "stride_wh",
-        "stride_glp", "stride_gent",
-    ],
-    do_not_specialize_on_alignment=["hidden", "weight"],
-)  # fmt: skip
+# Specialized as in forward_kernel._forward_partials_kernel (the d_logits rows stay padded to 16
+# elements, so their stores are vectorized whatever V is).
+@triton.jit
 def _dlogits_kernel(
     hidden,
     weight,

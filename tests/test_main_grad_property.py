@@ -82,3 +82,16 @@ def test_uneven_and_empty_shards(pool, path) -> None:
         for name in ("differential", "main_grad"):
             failed = [v.line() for v in get(name).check(spec, runner) if not v.passed]
             assert not failed, failed
+
+
+@pytest.mark.parametrize("path", ["fast", "main_grad"])
+def test_triton_3_gemm_loss_targets_in_another_shard(pool, path) -> None:
+    """Found by the ci campaign: Triton's row statistics took a target id past this shard's V
+    for a masked lane (-inf), so the summed target logit, and the loss, were -inf/inf at TP > 1."""
+    spec = CaseSpec(backend="triton", tokens=4, hidden_size=8, vocab=11, tp=4, loss_path=path,
+                    hidden_dtype="fp32", weight_dtype="fp32", regime="peaked", seed=3)  # fmt: skip
+    runner = Runner(pool)
+    for case in (spec, spec.with_(vocab=2, tp=2, tokens=1)):
+        for name in ("differential", "main_grad"):
+            failed = [v.line() for v in get(name).check(case, runner) if not v.passed]
+            assert not failed, failed

@@ -47,7 +47,8 @@ def _row_stats_kernel(
         in_v = offs < V
         acc = tl.load(logits_ptr + row * stride_lt + offs, mask=in_v, other=float("-inf"))
         acc = acc.to(tl.float32)
-        lane_target = tl.where(offs == local_target, acc, lane_target)
+        # in_v: a target in another shard may sit past this shard's V, on a masked (-inf) lane.
+        lane_target = tl.where(in_v & (offs == local_target), acc, lane_target)
         seen = lane_max > float("-inf")  # guards keep unseen lanes from inf - inf
         is_new = acc > lane_max  # the element becomes the lane's max (never a masked one)
         new_max = tl.where(is_new, acc, lane_max)

@@ -70,6 +70,12 @@ def test_installed_corpus_and_replay_run_from_elsewhere(installed: Path, tmp_pat
     corpus = _verify(installed, tmp_path, "corpus")
     assert corpus.returncode == 0, corpus.stdout + corpus.stderr
     assert "as expected" in corpus.stdout.splitlines()[-1]
+    # The console script pip wrote, as a user types it (its shebang is this interpreter).
+    script = installed / "bin" / "lce-verify"
+    environ = {**os.environ, "PYTHONPATH": str(installed)}
+    environ.pop("LCE_TOLERANCES", None)
+    scripted = _ok([str(script), "corpus"], cwd=tmp_path, env=environ)
+    assert scripted.stdout.splitlines()[-1] == corpus.stdout.splitlines()[-1]
     entry = sorted((installed / "verify" / "corpus").glob("differential-torch-tp1-*.json"))[0]
     replayed = _verify(installed, tmp_path, "replay", str(entry), "--without-mutant")
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr

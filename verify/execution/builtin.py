@@ -44,24 +44,36 @@ def _lce_loss(call: Call, reduction: str) -> torch.Tensor:
         kwargs["fast"] = True
     elif call.loss_path == "main_grad" and weight.requires_grad and torch.is_grad_enabled():
         weight, kwargs["grad_weight_into"] = main_grad_weight(weight)
+        kwargs["assumed_loss_grad"] = MAIN_GRAD_ASSUMED_LOSS_GRAD
     return lce.linear_cross_entropy(
         call.hidden, weight, call.targets, reduction=reduction, **kwargs
     )
 
 
+# The upstream gradient the main_grad path tells lce to assume: its forward accumulates the
+# weight gradient for it; backward undoes and redoes the rows whose upstream differs.
+MAIN_GRAD_ASSUMED_LOSS_GRAD = 1.0
+
+
+def main_grad_old_content(weight: torch.Tensor) -> torch.Tensor:
+    """What `main_grad_weight` puts in main_grad before the call, on the CPU: random at
+    ``weight``'s scale, a function of ``weight`` alone (its size seeds it), in main_grad's dtype
+    (fp64 for fp64 weights, else fp32)."""
+    gen = torch.Generator().manual_seed(weight.numel())
+    scale = weight.detach().abs().amax().item() if weight.numel() else 1.0  # empty shards too
+    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    return (torch.randn(weight.shape, generator=gen) * scale).to(acc)
+
+
 def main_grad_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` as Megatron's DDP presents it to a fused layer, and its main_grad.
 
-    main_grad starts with old content (random, at the weight's scale), the returned view carries
+    main_grad starts with old content (`main_grad_old_content`), the returned view carries
     DDP's flags with ``zero_out_wgrad`` (lce then returns a zero dummy gradient), and its backward
     hands ``weight`` what main_grad gained since the last backward, as DDP's hook would add a
     real ``.grad``: the engine's gradient checks then judge what main_grad received.
     """
-    gen = torch.Generator().manual_seed(weight.numel())
-    scale = weight.detach().abs().amax().item() if weight.numel() else 1.0  # empty shards too
-    old = torch.randn(weight.shape, generator=gen) * scale
-    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    main_grad = old.to(device=weight.device, dtype=acc)
+    main_grad = main_grad_old_content(weight).to(weight.device)
     view = _MainGradView.apply(weight, main_grad)
     view.grad_added_to_main_grad = False
     view.zero_out_wgrad = True

@@ -102,6 +102,7 @@ def compare(
     tol: Tolerance,
     runs: int = 1,
     logit_scale: torch.Tensor | None = None,
+    extra: torch.Tensor | None = None,
 ) -> Verdict:
     """Check ``kernel`` against ``ref`` (float64) under ``tol``; ``base`` is B's value or None
     (then tier 1 is not checked).
@@ -110,6 +111,10 @@ def compare(
     carry their dtype's rounding (``|dz| <= u |z|``), e.g. ``max|z|`` of a token's row for its
     log-prob. ``tol.zeps`` times it joins both tiers: a correct implementation rounds its logits
     like that whatever B's luck (tier 1) and however small R is (tier 2).
+
+    ``extra`` (same shape as ``ref``): an elementwise error bound the caller derived for what its
+    check adds beyond the output's own rounding (e.g. the main_grad property's fp32 buffer); it
+    joins both tiers as the logit term does.
 
     ``runs`` = 2 when ``ref`` is itself a rounded result (two kernel runs that must agree): each
     run may be off by its own bound, so the floor and the envelope count twice and ``base - ref``
@@ -129,6 +134,8 @@ def compare(
     z = torch.zeros_like(r)
     if logit_scale is not None:
         z = tol.zeps * logit_scale.detach().to(torch.float64).reshape(-1)[finite]
+    if extra is not None:
+        z = z + extra.detach().to(torch.float64).reshape(-1)[finite]
     tiers: list[Tier] = []
     if base is not None:
         b = base.detach().to(torch.float64).reshape(-1)[finite]

@@ -76,13 +76,15 @@ def tolerance_check(
     base: torch.Tensor | None,
     tol: Tolerance,
     runs: int = 1,
+    extra: torch.Tensor | None = None,
 ) -> PropertyVerdict:
     """Tiers 1-2 of tolerances.yaml: ``kernel`` vs float64 ``ref``; ``base`` is B's value;
-    ``runs`` as in `verify.numerics.compare.compare`."""
+    ``runs`` and ``extra`` as in `verify.numerics.compare.compare`."""
     scale = logit_scales(spec).get(output) if spec.fault == "none" else None
     if scale is not None and scale.numel() != ref.numel():
         scale = None  # a part of the output (e.g. its ignored rows): no logit term
-    return from_compare(prop, spec, compare(output, kernel, ref, base, tol, runs, scale))
+    verdict = compare(output, kernel, ref, base, tol, runs, scale, extra)
+    return from_compare(prop, spec, verdict)
 
 
 def pair_check(

@@ -1,6 +1,5 @@
-"""verify.numerics.portable_math: exp/log within a few ulp of libm, exact where R relies on it,
-and the
-same bits as recorded here (R's cross-machine reproducibility rests on them)."""
+"""verify.numerics.portable_math: exp/log/log1p within a few ulp of libm, exact where R relies
+on it, and the same bits as recorded here (R's cross-machine reproducibility rests on them)."""
 
 from __future__ import annotations
 
@@ -15,6 +14,8 @@ from verify.numerics import portable_math
 # sha256 (first 16 hex digits) of exp and log on `test_same_bits_as_recorded`'s grid.
 EXP_SHA = "cc233171b39909dc"
 LOG_SHA = "1a3b13e96be0131a"
+# log1p's, recorded on the development machine only (log's operations plus one division).
+LOG1P_SHA = "0139de4df8e26336"
 
 
 def _ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -34,6 +35,13 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
         (portable_math.log, math.log, 1e-300, 1e-290, 2),
         (portable_math.log, math.log, 0.5, 2.0, 3),
         (portable_math.log, math.log, 1.0, 1e6, 2),
+        # log1p, 200k points: <= 1 ulp for tiny x, <= 3 in the series branch (s = x / (2 + x)
+        # rounds twice), <= 4 where log(1 + x) takes over. Rounding 1 + x first is off by up to
+        # 2^52 ulp at x = 1e-16 (R's confident rows).
+        (portable_math.log1p, math.log1p, 1e-300, 1e-290, 1),
+        (portable_math.log1p, math.log1p, 1e-20, 1e-10, 1),
+        (portable_math.log1p, math.log1p, -0.29, 0.41, 3),
+        (portable_math.log1p, math.log1p, -0.999, 1e6, 4),
     ],
 )
 def test_within_a_few_ulp_of_libm(fn, libm, low, high, max_ulps) -> None:
@@ -54,6 +62,11 @@ def test_special_values() -> None:
     assert logs[1].item() == -math.inf and math.isnan(logs[2].item())
     assert logs[3].item() == math.inf and math.isnan(logs[4].item())
     assert logs[5].item() == math.log(5e-324)  # subnormal input
+    x = torch.tensor([0.0, 1e-300, -1.0, math.inf, math.nan, -2.0], dtype=torch.float64)
+    log1ps = portable_math.log1p(x)
+    assert log1ps[0].item() == 0.0 and log1ps[1].item() == 1e-300  # R's log_sumexp of one lane
+    assert log1ps[2].item() == -math.inf and log1ps[3].item() == math.inf
+    assert math.isnan(log1ps[4].item()) and math.isnan(log1ps[5].item())
 
 
 def test_same_bits_as_recorded() -> None:
@@ -63,5 +76,7 @@ def test_same_bits_as_recorded() -> None:
     grid = torch.arange(-48000, 48000, dtype=torch.float64) / 64  # [-750, 750) in steps of 1/64
     exp_bits = portable_math.exp(grid).numpy().tobytes()
     log_bits = portable_math.log(grid[grid > 0]).numpy().tobytes()
+    log1p_bits = portable_math.log1p(grid[grid > -1]).numpy().tobytes()
     assert hashlib.sha256(exp_bits).hexdigest()[:16] == EXP_SHA
     assert hashlib.sha256(log_bits).hexdigest()[:16] == LOG_SHA
+    assert hashlib.sha256(log1p_bits).hexdigest()[:16] == LOG1P_SHA

@@ -130,23 +130,24 @@ def test_formerly_excused_cases_pass_derived_tolerances(spec) -> None:
     assert all("known" not in v.to_json() for v in verdicts)  # no verdict is excused any more
 
 
-@pytest.mark.xfail(strict=True, reason="open lce finding: tied fused-loss grad_weight, p_y ~ 1")
 def test_tied_confident_row_loss_grad_weight_as_precise_as_stock_path() -> None:
-    # Excused as ratio-floor until the class was removed: fp32, tied, one valid token whose
-    # target leads by ~52 (p_y = 1 - 9e-24); the torch backend's loss_grad_weight is off by
-    # 1.6e-23 (about twice R's 8.8e-24, 33514x the ratio tier), the stock path by 1.6e-28; the
-    # untied case passes.
+    # A false alarm on clean code, fixed in R: fp32, tied, one valid token whose target leads by
+    # ~52 (1 - p_y = 9e-24). R formed 1 - p_y as 1 - p_y in float64, which is 0 there, so R was
+    # off by 1.6e-23 where the true loss_grad_weight is 1.0e-23 (against 60-digit arithmetic);
+    # lce on both backends is off by <= 1.3e-28. (The untied spec builds another problem, whose
+    # valid row is not confident: it passed.) R now sums 1 - p_y from the other lanes.
     spec = FORMERLY_EXCUSED[1].with_(seed=2, tokens=2, chunk_size=4)
     failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
     assert not failed, "\n".join(failed)
 
 
-@pytest.mark.xfail(strict=True, reason="open lce finding: 1 - p_y rounded at TP=2, fp64")
 def test_confident_rows_at_tp2_fp64_as_precise_as_stock_path(pool) -> None:
-    # Found by a ci campaign (seed 7) once nothing was excused: fp64, TP=2, V=2, peaked rows
-    # (p_y = 1 - 4.5e-5); loss_grad_hidden's ratio tier 7.44e-18 vs 6.80e-18 allowed (1.09x):
-    # lce's d_logits at the target carry p_y's rounding (u * 1, not u * (1 - p_y)) at TP > 1,
-    # which the derived tolerance does not grant (the TP=1 path keeps 1 - p_y as a ratio of sums).
+    # A false alarm on clean code, fixed in R (found by a ci campaign, seed 7; the main job's
+    # tokens=1 seed 0 case is the same): fp64, V=2, peaked rows (1 - p_y = 4.5e-5); the ratio
+    # tier failed loss_grad_hidden by 1.09x at TP=2 and at TP=1 alike. Against 60-digit
+    # arithmetic lce was off by 1.7e-20 and R by 7.4e-18: R formed 1 - p_y as a difference in
+    # float64, carrying p_y's rounding (u * 1), as B does, so |B - R| was ~0 and lce, the one
+    # more precise, failed. R now keeps 1 - p_y and log p_y uncancelled, as lce does.
     from verify.execution.runner import Runner
 
     spec = CaseSpec(

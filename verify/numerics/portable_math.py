@@ -1,4 +1,4 @@
-"""float64 ``exp`` and ``log`` built from IEEE basic operations: the same bits on every machine.
+"""float64 ``exp``, ``log`` and ``log1p`` from IEEE basic operations: the same bits everywhere.
 
 torch's float64 ``exp``/``log`` come from whatever vectorized library the build links, and they are
 not correctly rounded: the same input gave ``exp`` results one ulp apart under torch 2.11 on an
@@ -22,6 +22,8 @@ INV_LN2 = 1.44269504088896338700e00
 _EXP_COEFFS = tuple(1.0 / math.factorial(n) for n in range(14))
 # log(m) = 2 atanh(s) = 2 (s + s^3/3 + ...), s = (m - 1)/(m + 1), |s| <= 0.172: 12 terms < 2^-60.
 _ATANH_COEFFS = tuple(1.0 / (2 * n + 1) for n in range(12))
+# log1p's series branch: |x| < sqrt(2) - 1 keeps s = x / (2 + x) within the series' |s| <= 0.172.
+_LOG1P_SERIES = math.sqrt(2.0) - 1.0
 # exp underflows to 0 below about -745.13 and overflows above about 709.78.
 _EXP_MIN, _EXP_MAX = -746.0, 710.0
 
@@ -66,3 +68,17 @@ def log(x: torch.Tensor) -> torch.Tensor:
     value = torch.where(x == math.inf, x, value)
     value = torch.where(x == 0, torch.full_like(value, -math.inf), value)
     return torch.where(positive | (x == 0), value, torch.full_like(value, math.nan))
+
+
+def log1p(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + x)`` of a float64 tensor without rounding ``1 + x`` first: a tiny x keeps its
+    relative precision (``log(1 + 1e-20)`` is 1e-20, not 0); log1p(0) = 0, log1p(-1) = -inf.
+
+    Near 0 it is ``2 atanh(s)`` with ``s = x / (2 + x)`` (the same series as `log`); elsewhere
+    ``|log(1 + x)| >= 0.34``, so rounding ``1 + x`` costs at most a few ulp of the result.
+    """
+    near_zero = x.abs() < _LOG1P_SERIES
+    safe = torch.where(near_zero, x, torch.zeros_like(x))
+    s = safe / (safe + 2.0)
+    series = 2.0 * s * _horner(s * s, _ATANH_COEFFS)
+    return torch.where(near_zero, series, log(x + 1.0))

@@ -76,7 +76,7 @@ def reference(
     w = weight.detach().to(torch.float64)
     z = ordered_matmul(h, w.T) / temperature
     shifted = z - z.amax(dim=-1, keepdim=True)
-    log_p = shifted - portable_math.log(ordered_sum(portable_math.exp(shifted), dim=-1))[:, None]
+    log_p = shifted - _centred_log_sumexp(shifted)[:, None]
     p = portable_math.exp(log_p)
     per_token = _per_token(log_p, p, targets, ignore_index, ordered_sum)
     logprobs, entropy, valid, safe_targets = per_token
@@ -87,8 +87,9 @@ def reference(
             zero if g is None else torch.where(valid, g.detach().to(torch.float64), zero)
             for g in (grad_logprob, grad_entropy)
         )
-        onehot = torch.zeros_like(p).scatter_(1, safe_targets[:, None], 1.0)
-        d_z = g_lp[:, None] * (onehot - p) - g_ent[:, None] * (p * (log_p + entropy[:, None]))
+        d_z = g_lp[:, None] * _onehot_minus_p(p, safe_targets) - g_ent[:, None] * (
+            p * (log_p + entropy[:, None])
+        )
         d_logits = d_z / temperature
         grad_hidden, grad_weight = ordered_matmul(d_logits, w), ordered_matmul(d_logits.T, h)
         if magnitudes:
@@ -96,6 +97,24 @@ def reference(
             sums = (ordered_matmul(size, w.abs()), ordered_matmul(size.T, h.abs()))
             return Reference(logprobs, entropy, valid, grad_hidden, grad_weight, sums)
     return Reference(logprobs, entropy, valid, grad_hidden, grad_weight)
+
+
+def _centred_log_sumexp(shifted: torch.Tensor) -> torch.Tensor:
+    """``log sum_j exp(shifted_j)`` of rows whose max is 0, as ``log1p`` of every term but one
+    max lane's (exactly 1): on a confident row ``1 + tiny`` would round to 1, making the log-prob
+    of the target exactly 0 and R no more precise than an fp64 implementation it judges."""
+    terms = portable_math.exp(shifted)
+    max_lane = shifted.argmax(dim=-1, keepdim=True)  # the first max lane: the same on every machine
+    return portable_math.log1p(ordered_sum(terms.scatter(-1, max_lane, 0.0), dim=-1))
+
+
+def _onehot_minus_p(p: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``onehot(targets) - p`` with the target lane's ``1 - p_y`` summed from the other lanes'
+    ``p``: as a difference it would carry ``p_y``'s rounding, u * 1, which on a confident row
+    (fp64 peaked rows; fp32 rows with ``1 - p_y`` below 1e-16) is most or all of the value, so
+    R was off where careful implementations are not (lce keeps ``1 - p_y`` uncancelled)."""
+    complement = ordered_sum(p.scatter(1, targets[:, None], 0.0), dim=-1)
+    return (-p).scatter(1, targets[:, None], complement[:, None])
 
 
 def _per_token(

@@ -46,3 +46,34 @@ def test_a_pair_apart_by_more_than_both_bounds_fails() -> None:
     run2[3] *= 1.01
     base_error = 2 * (base - ref).abs()
     assert not pair_check("p", SPEC, "grad_weight", run1, run2, base_error, TOL).passed
+
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).to(torch.float64)
+
+
+def test_fp16_partials_summed_across_ranks_may_lose_a_subnormal_step_each() -> None:
+    """Found by a ci campaign (seed 101, fp16, TP=4, sequence parallel, peaked rows): grad_hidden
+    near 1e-4 is summed from 4 partials, each rounded to fp16 on its rank, where fp16's absolute
+    spacing is the smallest subnormal (6e-8) whatever the magnitude of the whole; B rounds once.
+    Each rounding may lose half a step (3e-8), which no relative term grants (1.14x before)."""
+    gen = torch.Generator().manual_seed(0)
+    # Below fp16's smallest normal (6.1e-5), where every rounding is absolute: B's too.
+    ref = torch.randn(64, 8, generator=gen, dtype=torch.float64) * 1e-5
+    shares = torch.randn(4, 64, 8, generator=gen, dtype=torch.float64) * 1e-5
+    shares[-1] = ref - shares[:-1].sum(0)  # partials that cancel to ref, as ranks' do
+    kernel = sum(_fp16(share) for share in shares).half()  # returned in fp16, like the ranks' sum
+    base = _fp16(ref)
+    tol = load().get("fp16", "grad_hidden")
+    sequence_parallel = CaseSpec(
+        tp=4, reduce_hidden=False, hidden_dtype="fp16", weight_dtype="fp16"
+    )
+    check = tolerance_check("p", sequence_parallel, "grad_hidden", kernel, ref, base, tol)
+    assert check.passed, check.line()
+    # Held to one rounding (the partials not counted) the same result fails: the term is needed.
+    reduced = sequence_parallel.with_(reduce_hidden=True)
+    assert not tolerance_check("p", reduced, "grad_hidden", kernel, ref, base, tol).passed
+    # A real error of 8 steps on one element still fails.
+    wrong = kernel.clone()
+    wrong[5, 3] += 8 * 2.0**-24  # 8 subnormal steps
+    assert not tolerance_check("p", sequence_parallel, "grad_hidden", wrong, ref, base, tol).passed

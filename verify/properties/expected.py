@@ -96,10 +96,16 @@ def gradient_magnitudes(spec: CaseSpec) -> dict[str, torch.Tensor]:
 
 
 @lru_cache(maxsize=64)
-def logit_scales(spec: CaseSpec) -> dict[str, torch.Tensor]:
+def logit_scales(spec: CaseSpec, dot_rounding: bool = False) -> dict[str, torch.Tensor]:
     """Per output of R, the scale of its error when every logit carries its dtype's rounding
     (``|dz| <= u |z|``): `verify.numerics.compare`'s ``logit_scale`` (tolerances.yaml's ``zeps``
     = 2u weighs it).
+
+    ``dot_rounding``: each logit also carries its dot's summation rounding, ``|dz| <= u |z| +
+    n u_acc sum_k |h_k||w_k| / T`` (any order of summing the n = hidden_size products in the
+    accumulation dtype, to first order), so ``|z|`` becomes ``|z| + (u_acc / u) n sum|h||w| /
+    T``. Where every partial sum of a dot carries a large common offset, each of its additions
+    rounds at ~|z| and the dot is off by more than u |z| (1.57 u |z| measured, n = 8).
 
     Log-probs: ``max|z|`` of the row (``dz_y - sum p dz``). Entropy: ``max|z| * (1 + sum p
     |z - E z|)`` (H = lse - E z is a difference of two numbers of ~``max|z|``, each rounded, and
@@ -109,12 +115,20 @@ def logit_scales(spec: CaseSpec) -> dict[str, torch.Tensor]:
     sums of `gradient_magnitudes` (``dp = p (dz - E dz)``)."""
     problem = build(spec)
     hidden = problem.hidden.to(problem.weight.dtype).to(torch.float64)
-    z = hidden @ problem.weight.to(torch.float64).T / effective_temperature(spec)
+    weight = problem.weight.to(torch.float64)
+    z = hidden @ weight.T / effective_temperature(spec)
+    size = z.abs()
+    if dot_rounding:
+        # Dots accumulate in fp32 (fp64 for fp64) whatever dtype the logits are rounded to.
+        acc = torch.float64 if problem.weight.dtype == torch.float64 else torch.float32
+        ratio = torch.finfo(acc).eps / torch.finfo(problem.weight.dtype).eps
+        terms = hidden.abs() @ weight.abs().T / effective_temperature(spec)
+        size = size + ratio * spec.hidden_size * terms
     if z.shape[-1] == 0 or z.shape[0] == 0:
         zmax = z.new_zeros(z.shape[0])
         spread = zmax
     else:
-        zmax = z.abs().amax(dim=-1)
+        zmax = size.amax(dim=-1)
         p = torch.softmax(z, dim=-1)
         spread = (p * (z - (p * z).sum(-1, keepdim=True)).abs()).sum(-1)
     valid = problem.valid

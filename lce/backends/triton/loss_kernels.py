@@ -19,6 +19,35 @@ BLOCK_V_INTERPRETED = 256
 
 
 @triton.jit
+def _lane_stats_step(acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, in_v, MASKED: tl.constexpr):
+    """Fold one element per lane into the lane statistics (see `_row_stats_kernel`).
+
+    One exp per element: exp(-|a - lane max| / T) is the element's own term when it is not a new
+    maximum, and the rescale of the lane's old terms when it is (the old max then joins the
+    non-max sum). Unless ``MASKED``, every lane has seen an element (finite max); ``MASKED``
+    also guards unseen lanes and those ``in_v`` leaves out (loaded as -inf).
+    """
+    is_new = acc > lane_max  # never a masked (-inf) element
+    if MASKED:
+        ok = (lane_max > float("-inf")) & in_v  # no old terms (and no inf - inf) otherwise
+        base = tl.where(ok, lane_max, 0.0)
+    else:
+        base = lane_max
+    # Centred before the 1/T scale (the max lane's centred value exactly 0): a - max when a is
+    # no new max, max_old - a when it is, both <= 0 and each the value the forward kernel rounds.
+    d = -tl.abs(acc - base) * inv_temp
+    if MASKED:
+        d = tl.where(ok, d, 0.0)
+    t = tl.exp(d)
+    if MASKED:
+        t = tl.where(ok, t, 0.0)
+    total = 1.0 + lane_nonmax
+    lane_sum_z = tl.where(is_new, t * (lane_sum_z + d * total), lane_sum_z + t * d)
+    lane_nonmax = tl.where(is_new, t * total, lane_nonmax + t)
+    return tl.maximum(lane_max, acc), lane_nonmax, lane_sum_z
+
+
+@triton.jit
 def _row_stats_kernel(
     logits_ptr,
     targets_ptr,
@@ -32,36 +61,35 @@ def _row_stats_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
-    local_target = tl.load(targets_ptr + row) - vocab_start
+    row_ptr = logits_ptr + row * stride_lt
     # Per lane: a running max in raw dot units (centred before the 1/T scale, as the forward
     # kernel does, so the max lane's centred value is exactly 0), the sum of exp(z - max) over
     # the lane's elements but its max (whose term is exactly 1: kept apart, as `ShardStats`
     # asks) and the centred sum of z. Lanes merge once at the end: no cross-thread reduction in
-    # the sweep.
-    lane_max = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
+    # the sweep. The first whole tile only sets each lane's max; the others run unmasked.
+    full_tiles = V // BLOCK_V
     lane_nonmax = tl.zeros((BLOCK_V,), dtype=tl.float32)
     lane_sum_z = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    lane_target = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for tile_start in range(0, V, BLOCK_V):
-        offs = tile_start + cols
+    if full_tiles > 0:
+        lane_max = tl.load(row_ptr + cols).to(tl.float32)
+    else:
+        lane_max = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
+    for i in range(1, full_tiles):
+        acc = tl.load(row_ptr + i * BLOCK_V + cols).to(tl.float32)
+        lane_max, lane_nonmax, lane_sum_z = _lane_stats_step(
+            acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, None, False
+        )
+    if full_tiles * BLOCK_V < V:
+        offs = full_tiles * BLOCK_V + cols
         in_v = offs < V
-        acc = tl.load(logits_ptr + row * stride_lt + offs, mask=in_v, other=float("-inf"))
-        acc = acc.to(tl.float32)
-        # in_v: a target in another shard may sit past this shard's V, on a masked (-inf) lane.
-        lane_target = tl.where(in_v & (offs == local_target), acc, lane_target)
-        seen = lane_max > float("-inf")  # guards keep unseen lanes from inf - inf
-        is_new = acc > lane_max  # the element becomes the lane's max (never a masked one)
-        new_max = tl.where(is_new, acc, lane_max)
-        # new max: the old terms rescale and the old max joins the non-max sum;
-        # otherwise the element's own term joins it.
-        shift = tl.where(is_new & seen, (lane_max - tl.where(is_new, acc, 0.0)) * inv_temp, 0.0)
-        scale = tl.where(is_new, tl.where(seen, tl.exp(shift), 0.0), 1.0)
-        centred = tl.where(in_v & ~is_new, (acc - tl.where(seen, lane_max, 0.0)) * inv_temp, 0.0)
-        e = tl.where(in_v & ~is_new, tl.exp(centred), 0.0)
-        lane_total = tl.where(seen, 1.0 + lane_nonmax, 0.0)
-        lane_sum_z = scale * (lane_sum_z + shift * lane_total) + e * centred
-        lane_nonmax = tl.where(is_new, scale * lane_total, lane_nonmax + e)
-        lane_max = new_max
+        acc = tl.load(row_ptr + offs, mask=in_v, other=float("-inf")).to(tl.float32)
+        lane_max, lane_nonmax, lane_sum_z = _lane_stats_step(
+            acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, in_v, True
+        )
+    # The target's logit: one load where this shard holds it (-1, ignored, is held by none).
+    local_target = tl.load(targets_ptr + row) - vocab_start
+    owned = (local_target >= 0) & (local_target < V)
+    target = tl.load(row_ptr + tl.where(owned, local_target, 0), mask=owned, other=0.0)
     row_max = tl.max(lane_max, axis=0)
     seen = lane_max > float("-inf")
     shift = tl.where(seen, (lane_max - row_max) * inv_temp, 0.0)
@@ -74,7 +102,7 @@ def _row_stats_kernel(
     tl.store(out + plane, tl.sum(scale * lane_nonmax + own_max, axis=0))
     total = tl.where(seen, 1.0 + lane_nonmax, 0.0)
     tl.store(out + 2 * plane, tl.sum(scale * (lane_sum_z + shift * total), axis=0))
-    tl.store(out + 3 * plane, tl.sum(lane_target, axis=0))
+    tl.store(out + 3 * plane, target.to(tl.float32))
 
 
 def row_stats_into(
@@ -83,14 +111,19 @@ def row_stats_into(
     vocab_start: int,
     temperature: float,
     out: torch.Tensor,
+    block_v: int | None = None,
+    num_warps: int = 8,
 ) -> None:
     """`ShardStats` of ``logits / temperature`` (``[rows, V_local]``, unit column stride)
     against int64 global ``targets`` (-1: ignored, owned by no shard), written into fp32
-    ``out[4, rows]`` (the `ShardStats` fields in order, unit row stride)."""
+    ``out[4, rows]`` (the `ShardStats` fields in order, unit row stride).
+
+    ``block_v`` (elements per program step, default `BLOCK_V`) and ``num_warps``: for tuning.
+    """
     num_rows, vocab = logits.shape
     _row_stats_kernel[(num_rows,)](
         logits, targets, out, out.stride(0), vocab, vocab_start, 1.0 / temperature,
-        logits.stride(0), BLOCK_V=_block_v(), num_warps=8,
+        logits.stride(0), BLOCK_V=block_v or _block_v(), num_warps=num_warps,
     )  # fmt: skip
 
 

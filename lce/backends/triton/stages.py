@@ -178,11 +178,14 @@ class TritonStages:
         stats = torch.zeros(len(fields(ShardStats)), num_tokens, dtype=torch.float32, device=device)
         stats[0] = float("-inf")
         grad_hidden = None
-        if need_hidden:
-            grad_hidden = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=device)
+        if need_hidden:  # each chunk writes its rows; an empty shard writes none
+            alloc = torch.empty if vocab_local else torch.zeros
+            grad_hidden = alloc(num_tokens, hidden_size, dtype=torch.float32, device=device)
         grad_weight = grad_weight_out if need_weight else None
-        if need_weight and grad_weight is None:
-            grad_weight = torch.zeros(vocab_local, hidden_size, dtype=torch.float32, device=device)
+        own_buffer = need_weight and grad_weight_out is None
+        if own_buffer:  # the first chunk writes it (no zero fill, no read); T = 0 needs zeros
+            alloc = torch.empty if num_tokens else torch.zeros
+            grad_weight = alloc(vocab_local, hidden_size, dtype=torch.float32, device=device)
         shard_stats = ShardStats(*stats.unbind(0))
         step = chunk_rows or self.loss_chunk_rows(num_tokens, vocab_local, weight.element_size())
         buffer = torch.empty(min(step, num_tokens), vocab_local, dtype=weight.dtype, device=device)
@@ -204,7 +207,9 @@ class TritonStages:
             )  # fmt: skip
             if grad_hidden is not None:
                 mm_into(logits, weight, out=grad_hidden[rows])
-            if grad_weight is not None:
+            if own_buffer and start == 0:
+                mm_into(logits.T, hidden[rows], out=grad_weight)
+            elif grad_weight is not None:
                 addmm_(grad_weight, logits.T, hidden[rows])
         return shard_stats, grad_hidden, grad_weight
 

@@ -306,9 +306,10 @@ def main_grad_run(inp: dict, main_grad: torch.Tensor) -> Callable[[], tuple]:
     return run
 
 
-def peer_losses() -> dict[str, Callable]:
-    """Liger FLCE and Apple CCE when their packages import (the wheels travel in .whl/)."""
-    peers = {}
+def peer_losses() -> tuple[dict[str, Callable], dict[str, str]]:
+    """Liger FLCE, Liger's Hopper CuTe kernel and Apple CCE where their packages import (the
+    wheels travel in .whl/); and why each missing one did not import."""
+    peers, unavailable = {}, {}
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
@@ -319,7 +320,11 @@ def peer_losses() -> dict[str, Callable]:
 
         peers["Liger FLCE"] = liger
     except Exception as exc:
-        print("liger unavailable:", exc)
+        unavailable["Liger FLCE"] = f"{type(exc).__name__}: {exc}"
+    try:
+        peers[kernel_targets.LIGER_CUTE] = liger_cute_loss()
+    except Exception as exc:
+        unavailable[kernel_targets.LIGER_CUTE] = f"{type(exc).__name__}: {exc}"
     try:
         from cut_cross_entropy import linear_cross_entropy as cce_lce
 
@@ -337,8 +342,27 @@ def peer_losses() -> dict[str, Callable]:
 
         peers[kernel_targets.CCE_COMPILE] = cce_compiled
     except Exception as exc:
-        print("cce unavailable:", exc)
-    return peers
+        unavailable["Apple CCE"] = f"{type(exc).__name__}: {exc}"
+    for name, why in unavailable.items():
+        print(f"{name} unavailable: {why}", flush=True)
+    return peers, unavailable
+
+
+def liger_cute_loss() -> Callable:
+    """Liger 0.8.5's Hopper CuTe DSL kernel (per-token NLL; needs nvidia-cutlass-dsl), imported
+    here so a missing package is reported before any timing."""
+    from liger_kernel.ops.cutedsl.ops import fused_scaled_cross_entropy_sm90  # noqa: F401
+    from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
+        LigerFusedLinearScaledCrossEntropyFunction as cute,
+    )
+
+    def loss(hidden, weight, targets, mode):
+        nll = cute.apply(hidden, weight, targets, 1.0, IGNORE_INDEX)
+        if mode != "mean":
+            return -nll
+        return nll.sum() / (targets != IGNORE_INDEX).sum()
+
+    return loss
 
 
 def measure(
@@ -458,7 +482,7 @@ def main() -> None:
     report["breakdown_llama3-8k"] = breakdown(*SHAPES["llama3-8k"])
     report["config"] = dataclasses.asdict(triton_config.GPU_CONFIG)
     print("config", report["config"], flush=True)
-    peers = peer_losses()
+    peers, report["peers_unavailable"] = peer_losses()
     report["shapes"] = []
     for shape in args.shapes.split(","):
         report["shapes"].append(bench_shape(shape, peers))
@@ -471,7 +495,7 @@ def main() -> None:
         if result["shape"] == TARGET_SHAPE:
             print_targets(result, report)
     for result in report["shapes"]:
-        print_issue24_targets(result, report)
+        print_issue24_targets(result, report, report["peers_unavailable"])
     Path(args.json).write_text(json.dumps(report, indent=1))
 
 
@@ -486,9 +510,11 @@ def print_targets(result: dict, report: dict) -> None:
     print(f"\n## issue-3 targets at {result['shape']}\n{kernel_targets.format_verdicts(verdicts)}")
 
 
-def print_issue24_targets(result: dict, report: dict) -> None:
+def print_issue24_targets(result: dict, report: dict, unavailable: dict[str, str]) -> None:
     """Issue 24's verdicts at one shape, printed and stored in ``report``."""
-    verdicts, skipped = kernel_targets.judge_issue24(result["rows"], result["grads_gib"])
+    verdicts, skipped = kernel_targets.judge_issue24(
+        result["rows"], result["grads_gib"], unavailable
+    )
     report[f"issue24_targets_{result['shape']}"] = {
         "verdicts": [v.row() for v in verdicts],
         "not_judged": skipped,

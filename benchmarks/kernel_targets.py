@@ -67,9 +67,12 @@ def judge(rows: list[dict], grads_gib: float) -> list[Verdict]:
     return verdicts
 
 
-def judge_issue24(rows: list[dict], grads_gib: float) -> tuple[list[Verdict], dict[str, str]]:
+def judge_issue24(
+    rows: list[dict], grads_gib: float, unavailable: dict[str, str] | None = None
+) -> tuple[list[Verdict], dict[str, str]]:
     """Issue 24's verdicts of one shape, and the targets not judged with the reason (a row the
-    run lacks: a peer that did not import, a path that raised)."""
+    run lacks: a path that raised, or a peer that did not import, whose import error
+    ``unavailable`` maps from its method name)."""
     gemm = min(r["ms"] for r in rows if r["method"] == GEMM and "ms" in r)
     verdicts: list[Verdict] = []
     skipped: dict[str, str] = {}
@@ -78,7 +81,10 @@ def judge_issue24(rows: list[dict], grads_gib: float) -> tuple[list[Verdict], di
         try:
             verdicts.append(Verdict(target, *measure()))
         except KeyError as exc:
-            skipped[target] = f"no row: {exc.args[0]}"
+            missing = exc.args[0]
+            why = [f"{peer} unavailable: {error}" for peer, error in (unavailable or {}).items()
+                   if repr(peer) in missing]  # fmt: skip
+            skipped[target] = why[0] if why else f"no row: {missing}"
 
     def ratio(method: str, peer: str, field: str = "ms") -> float:
         return _row(rows, method, "mean")[field] / _row(rows, peer, "mean")[field]

@@ -56,3 +56,18 @@ def test_a_missing_row_names_itself() -> None:
 
 def _judge(rows):
     return kernel_targets.judge(rows, GRADS_GIB)
+
+
+def test_issue24_targets_of_a_peer_that_did_not_import_say_why() -> None:
+    import_error = "ModuleNotFoundError: No module named 'cutlass'"
+    verdicts, skipped = kernel_targets.judge_issue24(
+        ROWS, GRADS_GIB, {kernel_targets.LIGER_CUTE: import_error}
+    )
+    cute = "per-token path faster than Liger's Hopper CuTe kernel"
+    assert skipped[cute] == f"{kernel_targets.LIGER_CUTE} unavailable: {import_error}"
+    # A row the run lacks for another reason (a path that raised) still names the row.
+    assert skipped["fast mode <= 1.10x of 3 GEMMs"].startswith("no row: no timed row for")
+    judged = {v.target: v for v in verdicts}
+    assert judged["default path <= 1.10x of 4 GEMMs"].measured == pytest.approx(
+        56.7689 / (4 * 11.6163)
+    )

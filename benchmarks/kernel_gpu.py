@@ -324,7 +324,9 @@ def peer_losses() -> tuple[dict[str, Callable], dict[str, str]]:
     try:
         peers[kernel_targets.LIGER_CUTE] = liger_cute_loss()
     except Exception as exc:
-        unavailable[kernel_targets.LIGER_CUTE] = f"{type(exc).__name__}: {exc}"
+        first_sentence = str(exc).split(". ")[0]  # its install hint is printed below
+        unavailable[kernel_targets.LIGER_CUTE] = f"{type(exc).__name__}: {first_sentence}"
+        print(f"{kernel_targets.LIGER_CUTE}: {exc}", flush=True)
     try:
         from cut_cross_entropy import linear_cross_entropy as cce_lce
 

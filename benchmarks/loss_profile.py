@@ -32,11 +32,12 @@ CHUNK_BUDGETS_GIB = (1.25, 1.5)
 
 def kernel_table(run, iters: int = 3) -> dict:
     """Device ms per kernel name over ``iters`` calls (divided back to one call), and where the
-    device idles: the event-timed call against its kernels' span, the largest gaps between
-    kernels with their neighbours."""
+    device idles: each event-timed call against its kernels' span and busy time (and the SM
+    clock after it, where NVML answers), the largest gaps between kernels with their
+    neighbours."""
     run()
     torch.cuda.synchronize()
-    walls = []
+    walls, clocks = [], []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -45,6 +46,7 @@ def kernel_table(run, iters: int = 3) -> dict:
             end.record()
             end.synchronize()
             walls.append(start.elapsed_time(end))
+            clocks.append(sm_clock_mhz())
     kernels = sorted(
         (e for e in prof.events() if e.device_type.name == "CUDA"),
         key=lambda e: e.time_range.start,
@@ -67,8 +69,7 @@ def kernel_table(run, iters: int = 3) -> dict:
         for before, after in pairwise(kernels)
     ]
     per_call = len(kernels) // iters
-    last = kernels[-per_call:]  # the last call's kernels
-    span_ms = (last[-1].time_range.end - last[0].time_range.start) / 1000.0
+    calls = [kernels[i * per_call : (i + 1) * per_call] for i in range(iters)]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as host:
         run()
         torch.cuda.synchronize()
@@ -80,10 +81,19 @@ def kernel_table(run, iters: int = 3) -> dict:
         ],
         "kernels": sorted(rows, key=lambda r: -r["ms"]),
         "wall_ms": walls,
-        "last_call_span_ms": span_ms,
-        "busy_ms": sum(r["ms"] for r in rows),
+        "span_ms": [(c[-1].time_range.end - c[0].time_range.start) / 1000.0 for c in calls],
+        "busy_ms": [sum(e.device_time for e in c) / 1000.0 for c in calls],
+        "sm_clock_mhz": clocks,
         "largest_gaps": sorted(gaps, key=lambda g: -g["us"])[: 8 + iters],
     }
+
+
+def sm_clock_mhz() -> int | None:
+    """The SM clock now (NVML through torch), None where NVML is missing."""
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # pynvml absent or no permission: the profile runs without it
+        return None
 
 
 def with_chunk_budget(gib: float) -> triton_config.TritonConfig:
@@ -160,9 +170,8 @@ def profile_shape(shape: str) -> dict:
     print(f"\n## {shape}: one GEMM {result['gemm_ms']:.2f} ms; kernels of one call")
     for row in result["kernels"][:8]:
         print(f"{row['ms']:8.2f} ms  x{row['calls']:<3d} {row['kernel']}")
-    print(f"busy {result['busy_ms']:.2f} ms, span {result['last_call_span_ms']:.2f} ms, calls", [
-        round(w, 2) for w in result["wall_ms"]
-    ])  # fmt: skip
+    for key in ("wall_ms", "span_ms", "busy_ms", "sm_clock_mhz"):
+        print(key, [None if v is None else round(v, 2) for v in result[key]])
     for op in result["host_ops"]:
         print(f"host {op['self_ms']:8.2f} ms  x{op['calls']:<4d} {op['op']}")
     for gap in result["largest_gaps"]:

@@ -44,19 +44,31 @@ def test_a_runs_stages_reach_the_driver_clock_through_the_runner():
 def test_report_splits_each_backends_wall_time_into_stages():
     tally = report.Tally()
     taken = {"seconds": {"kernel": 0.5, "reference": 0.25}, "compiles": 3}
-    tally.add_timing("triton", "numerical", taken, wall_s=1.0)
-    tally.add_timing("triton", "numerical", {"seconds": {"kernel": 0.5}, "compiles": 0}, 1.0)
+    tally.add_timing("triton", "numerical", taken, wall_s=1.0, ended=11.0)
+    tally.add_timing(
+        "triton", "numerical", {"seconds": {"kernel": 0.5}, "compiles": 0}, 1.0, ended=12.0
+    )
     doc = report.to_json(tally, {"wall_s": 2.0})
     (row,) = doc["timing"]
     assert (row["backend"], row["kind"], row["examples"], row["compiles"]) == (
         "triton", "numerical", 2, 3,
     )  # fmt: skip
-    assert row["examples_per_s"] == 1.0
+    assert row["examples_per_s"] == 1.0 and row["clock_s"] == 2.0  # back to back: 2 s
     assert row["seconds"]["kernel"] == 1.0
     assert row["seconds"]["other"] == 0.75  # the wall time no stage claimed
     assert list(row["seconds"]) == list(STAGES)
     table = "\n".join(report._timing_table(doc["timing"]))
     assert "triton numerical (2)" in table and "1.0 (500)" in table  # kernel: 1 s, 500 ms each
+
+
+def test_concurrent_examples_count_once_on_the_clock():
+    # Two searches' examples overlapping in [10, 12] and one alone in [14, 15]: 3 s of clock.
+    assert report.covered_seconds([(10.0, 11.5), (14.0, 15.0), (10.5, 12.0)]) == 3.0
+    tally = report.Tally()
+    for ended in (11.5, 12.0, 15.0):
+        tally.add_timing("triton", "numerical", {"seconds": {}, "compiles": 0}, 1.0, ended=ended)
+    (row,) = report.to_json(tally, {"wall_s": 5.0})["timing"]
+    assert (row["wall_s"], row["clock_s"], row["examples_per_s"]) == (3.0, 2.5, 1.2)
 
 
 def test_build_is_cached_but_every_call_gets_its_own_tensors():

@@ -136,6 +136,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         default=(),
         help="comma-separated dtype keys to draw: fp32,bf16,fp16,fp32_bf16,fp64 (all)",
     )
+    p.add_argument(
+        "--searches",
+        type=int,
+        default=None,
+        help="concurrent searches per TP=1 slice, each with its own worker (cuda: 3 per 4 cores, "
+        "at most 12; cpu: 1)",
+    )
     p.add_argument("--mutant", default=None, help="plant this bug (self-test; see `mutants`)")
     _add_impl_option(p, "verify this implementation instead of lce's backends")
     p.set_defaults(handler=_cmd_run)
@@ -242,6 +249,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         mutant=args.mutant,
         max_examples=args.max_examples,
         dtypes=args.dtypes,
+        searches=args.searches,
     )
     try:
         config.validate()

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,15 +84,28 @@ class Tally:
             for record in records:
                 self._add_ratio(prop, dtype, backend, tp, record)
 
-    def add_timing(self, backend: str, kind: str, taken: dict[str, Any], wall_s: float) -> None:
+    def add_timing(
+        self,
+        backend: str,
+        kind: str,
+        taken: dict[str, Any],
+        wall_s: float,
+        *,
+        ended: float | None = None,
+    ) -> None:
         """One example's `verify.running.stage_timing` split (``taken``) and its wall time; the
-        wall time no stage claimed is counted as ``other``."""
+        wall time no stage claimed is counted as ``other``. ``ended`` (``time.monotonic()``,
+        default now) places the example on the clock, so examples of concurrent searches are
+        counted once in the row's ``clock_s``."""
         row = self.timing.setdefault(
-            (backend, kind), {"examples": 0, "compiles": 0, "wall_s": 0.0, "seconds": {}}
+            (backend, kind),
+            {"examples": 0, "compiles": 0, "wall_s": 0.0, "seconds": {}, "spans": []},
         )
         row["examples"] += 1
         row["compiles"] += taken["compiles"]
         row["wall_s"] += wall_s
+        ended = time.monotonic() if ended is None else ended
+        row["spans"].append((ended - wall_s, ended))
         seconds = dict(taken["seconds"])
         seconds["other"] = seconds.get("other", 0.0) + max(0.0, wall_s - sum(seconds.values()))
         for name, value in seconds.items():
@@ -166,16 +180,28 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _timing_row(backend: str, kind: str, row: dict[str, Any]) -> dict[str, Any]:
-    wall = row["wall_s"]
+    clock = covered_seconds(row["spans"])
     return {
         "backend": backend,
         "kind": kind,
         "examples": row["examples"],
-        "wall_s": round(wall, 3),
-        "examples_per_s": round(row["examples"] / wall, 3) if wall > 0 else None,
+        "wall_s": round(row["wall_s"], 3),
+        "clock_s": round(clock, 3),
+        "examples_per_s": round(row["examples"] / clock, 3) if clock > 0 else None,
         "compiles": row["compiles"],
         "seconds": {name: round(row["seconds"].get(name, 0.0), 3) for name in STAGES},
     }
+
+
+def covered_seconds(spans: list[tuple[float, float]]) -> float:
+    """Seconds of the clock inside at least one ``(start, end)`` span: overlapping examples of
+    concurrent searches count once, back-to-back examples of one search add up."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def write(
@@ -221,6 +247,10 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- device: {env.get('device', '?')}; {versions}",
         "",
         "## Where the time went, per backend (seconds; ms per example)",
+        "",
+        "examples/s: examples over the clock seconds in which at least one of them ran; example s:"
+        " their wall times added up, which the stages split (over concurrent searches, more than"
+        " the clock).",
         "",
         *_timing_table(doc.get("timing", [])),
         "",
@@ -270,13 +300,14 @@ def _count_table(counts: list[dict[str, Any]], row_key: str) -> list[str]:
 def _timing_table(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return ["(no examples ran)"]
-    header = ["backend (examples)", "examples/s", "compiles", *STAGES]
+    header = ["backend (examples)", "examples/s", "clock s", "example s", "compiles", *STAGES]
     lines = [_row(header), _row(["---"] * len(header))]
     for r in rows:
         per_ms = 1000.0 / max(1, r["examples"])
         stages = [f"{s:.1f} ({s * per_ms:.0f})" for s in (r["seconds"][n] for n in STAGES)]
         name = f"{r['backend']} {r['kind']} ({r['examples']})"
-        lines.append(_row([name, str(r["examples_per_s"]), str(r["compiles"]), *stages]))
+        times = [str(r["examples_per_s"]), f"{r['clock_s']:.1f}", f"{r['wall_s']:.1f}"]
+        lines.append(_row([name, *times, str(r["compiles"]), *stages]))
     return lines
 
 

@@ -32,7 +32,7 @@ from verify.execution.runner import Runner
 from verify.properties.catalog import PROPERTIES
 from verify.properties.verdict import HARNESS
 from verify.results import artifacts, report
-from verify.running import compile_warmup, stage_timing
+from verify.running import compile_warmup, concurrent_searches, stage_timing
 from verify.running.engine import run_property, search_rounds, seeds
 from verify.running.mutants import MUTANTS
 from verify.running.profiles import profile_settings
@@ -58,6 +58,15 @@ class CampaignConfig:
     mutant: str | None = None
     max_examples: int | None = None
     dtypes: tuple[str, ...] = ()  # tolerances.yaml dtype keys (fp32, bf16, fp32_bf16, ...); all
+    # Concurrent searches per TP=1 slice (`verify.running.concurrent_searches`); None: its default
+    # (several on CUDA, 1 on the CPU). TP > 1 slices run one search.
+    searches: int | None = None
+
+    def searches_at(self, tp: int) -> int:
+        """How many searches a slice at TP degree ``tp`` runs at once."""
+        if tp != 1:
+            return 1
+        return self.searches or concurrent_searches.default_count(self.device, tp)
 
     @property
     def dtype_pairs(self) -> tuple[tuple[str, str], ...]:
@@ -94,6 +103,8 @@ class CampaignConfig:
                     f"--tp {max(self.tp_sizes)} needs one GPU per rank; {gpus} visible "
                     f"(use --tp {','.join(str(t) for t in (1, 2, 4, 8) if t <= gpus)})"
                 )
+        if self.searches is not None and self.searches < 1:
+            raise ValueError(f"--searches must be >= 1, got {self.searches}")
         if not self.budget_s > 0:
             raise ValueError(f"--budget-s must be > 0 seconds, got {self.budget_s}")
         for dtype in self.dtypes:
@@ -199,11 +210,17 @@ def run_campaign(
                     tally.slices.append(_slice_row(backend, tp, "skipped (budget)", 0, [], 0.0))
                     continue
                 search = None
-                if needs_pool(tp, config.device) and pool is None:
+                count = config.searches_at(tp)
+                if count == 1 and needs_pool(tp, config.device) and pool is None:
                     pool = WorkerPool(world_size=max(config.tp_sizes), device=config.device)
                 share = remaining / (len(slices) - index)  # time left over flows to later slices
                 progress.start_slice(backend, tp)
-                search = _Slice(config, backend, tp, tally, progress)
+                if count == 1:
+                    search = _Slice(config, backend, tp, tally, progress)
+                else:  # each search opens its own worker
+                    search = concurrent_searches.ConcurrentSlice(
+                        config, backend, tp, tally, progress, count=count, seed_stride=1 + RESTARTS
+                    )
                 search.deadlines = (time.monotonic() + share, deadline)
                 search.run(pool, with_status=backend == config.backends[0])
                 exhausted |= search.status == "budget"
@@ -280,7 +297,9 @@ class _Slice:
         # the campaign's budget (a found failure is worth more than later slices' examples).
         self.deadlines = (math.inf, math.inf)
         self.signatures: set[tuple] = set()  # (properties, dtype, outputs) of saved failures
-        self.example_began = 0.0  # perf_counter() at the end of the last example (its wall time)
+        # time.monotonic() at the end of the last example (its wall time); one clock for every
+        # process on the host, so concurrent searches' examples fall on one time line
+        self.example_began = 0.0
         # The search's first failing example and its failing verdicts until they are saved
         # (shrunk): what an interrupted search still reports.
         self.unsaved: tuple[CaseSpec, list[Any], list[str]] | None = None
@@ -336,7 +355,7 @@ class _Slice:
         Returns whether it found a failure."""
         self.failed, self.current, self.unsaved = False, None, None
         stage_timing.current().take()  # what ran before this search is no example's
-        self.example_began = time.perf_counter()
+        self.example_began = time.monotonic()
         saved = len(self.artifacts)
         try:
             result = run_property(
@@ -370,9 +389,9 @@ class _Slice:
         if self.failed:  # shrinking re-runs are not new examples
             return
         self.examples += 1
-        now, taken = time.perf_counter(), stage_timing.current().take()
+        now, taken = time.monotonic(), stage_timing.current().take()
         kind = "status" if self.names_now == ["status"] else "numerical"
-        self.tally.add_timing(self.backend, kind, taken, now - self.example_began)
+        self.tally.add_timing(self.backend, kind, taken, now - self.example_began, ended=now)
         self.example_began = now
         self.tally.add_example(spec.dtype_key, spec.backend, spec.tp, verdicts)
         self.progress.example()

@@ -1,0 +1,52 @@
+"""Concurrent searches of one slice (`verify.running.concurrent_searches`): each runs in its own
+process from its own seed, and the campaign reports them as one slice."""
+
+from __future__ import annotations
+
+from verify.running import concurrent_searches
+from verify.running.campaign import RESTARTS, CampaignConfig, run_campaign
+from verify.running.progress import Progress
+
+
+def test_two_searches_report_as_one_slice(tmp_path):
+    config = CampaignConfig(
+        backends=("torch",),
+        tp_sizes=(1,),
+        budget_s=240,
+        out_dir=tmp_path / "out",
+        properties=("status", "differential"),
+        max_examples=3,
+        seed=7,
+        searches=2,
+    )
+    result = run_campaign(config, Progress("test", 240, stream=None))
+    doc = result.report
+    assert doc["errors"] == [] and doc["failures"] == []
+    (row,) = doc["slices"]
+    assert (row["backend"], row["tp"], row["status"]) == ("torch", 1, "done")
+    # Search 0 ran the status examples and 3 valid ones; search 1 its own 3 valid ones.
+    counts = {c["property"]: 0 for c in doc["counts"]}
+    for c in doc["counts"]:
+        counts[c["property"]] += c["examples"]
+    assert counts == {"status": 3, "differential": 6}
+    assert row["examples"] == doc["examples"] == 9
+    timing = {r["kind"]: r for r in doc["timing"]}
+    assert timing["numerical"]["examples"] == 6 and timing["status"]["examples"] == 3
+    assert 0 < timing["numerical"]["clock_s"] <= timing["numerical"]["wall_s"] + 1e-6
+
+
+def test_each_search_draws_from_its_own_seeds():
+    stride = 1 + RESTARTS
+    firsts = [concurrent_searches.seed_of(41, k, stride) for k in range(3)]
+    assert firsts == [41, 44, 47]  # search 0 keeps the campaign's; restarts use 42, 43, ...
+    assert concurrent_searches.seed_of(None, 0, stride) is None  # the profile's own, as alone
+    assert concurrent_searches.seed_of(None, 2, stride) == 6
+
+
+def test_several_searches_only_on_cuda_at_tp_1():
+    assert concurrent_searches.default_count("cuda", 1, cores=16) == 12
+    assert concurrent_searches.default_count("cuda", 1, cores=2) == 1
+    assert concurrent_searches.default_count("cuda", 2, cores=16) == 1
+    assert concurrent_searches.default_count("cpu", 1, cores=16) == 1
+    assert CampaignConfig(searches=3).searches_at(1) == 3
+    assert CampaignConfig(searches=3).searches_at(2) == 1

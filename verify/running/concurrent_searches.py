@@ -1,0 +1,219 @@
+"""Several Hypothesis searches of one TP=1 slice at once, each in its own process and worker.
+
+A search runs one example at a time (each draw follows from the last), and on CUDA an example is
+mostly host work in small steps: Hypothesis, inputs, R and B, many small kernel launches, and a
+Triton compile for every specialization it meets first. The GPU idles meanwhile, and so do most of
+the host's cores. Independent searches fill them: search ``k`` draws from its own seed (`seed_of`),
+runs the slice's ordinary search (`verify.running.campaign` ``_Slice``, the same properties and
+checks) in a spawned process with its own TP=1 worker, and saves its failures' artifacts itself.
+Its tally and progress calls come back over a queue and are applied here in arrival order, so the
+campaign writes one report. Triton's disk cache is shared: a kernel one search compiled, the
+others load. Only search 0 runs the status examples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import os
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+# How long a search may take to save its findings and stop after SIGTERM (its pool's grace and a
+# shrink step in flight), before it is killed.
+STOP_GRACE_S = 30.0
+# A search process found dead without its "done" message is given this long for messages still in
+# the queue's pipe before it counts as died.
+DRAIN_S = 2.0
+
+
+def default_count(device: str, tp: int, cores: int | None = None) -> int:
+    """Searches per slice when the campaign names none: on CUDA at TP=1, three per four cores,
+    at most 12 (a search's driver idles while its worker compiles a kernel, the single-threaded
+    step most examples wait on); elsewhere 1 (the CPU campaign's cores are its workers' already,
+    and a TP > 1 slice's ranks own every GPU)."""
+    if device != "cuda" or tp != 1:
+        return 1
+    return max(1, min(12, (cores or os.cpu_count() or 2) * 3 // 4))
+
+
+def seed_of(seed: int | None, index: int, stride: int) -> int | None:
+    """Search ``index``'s first seed: the campaign's for search 0 (one search is the plain slice),
+    then ``stride`` apart, so no search's restarts (``seed + 1``, ...) repeat another's seeds."""
+    return seed if index == 0 else (seed or 0) + index * stride
+
+
+@dataclass(frozen=True)
+class _Order:
+    """What one search process runs (picklable)."""
+
+    config: Any  # the CampaignConfig, its seed this search's
+    backend: str
+    tp: int
+    index: int
+    deadlines: tuple[float, float]  # time.monotonic(): one clock for every process on the host
+    with_status: bool
+    threads: int  # torch CPU threads of the search's driver and of its worker
+
+
+class _Forward:
+    """Stands in for the campaign's tally or progress in a search process: each method call is
+    sent to the campaign process as ``(target, method, (args, kwargs))``."""
+
+    def __init__(self, events: Any, target: str) -> None:
+        self._events, self._target = events, target
+
+    def __getattr__(self, method: str) -> Any:
+        return lambda *args, **kwargs: self._events.put((self._target, method, (args, kwargs)))
+
+
+class ConcurrentSlice:
+    """One backend x TP slice searched by ``count`` processes at once; used like the campaign's
+    ``_Slice`` (``deadlines``, `run`, ``status``, ``artifacts``, `row`, `save_unsaved`)."""
+
+    def __init__(
+        self,
+        config: Any,
+        backend: str,
+        tp: int,
+        tally: Any,
+        progress: Any,
+        *,
+        count: int,
+        seed_stride: int,
+    ) -> None:
+        self.config, self.backend, self.tp = config, backend, tp
+        self.tally, self.progress = tally, progress
+        self.count, self.seed_stride = count, seed_stride
+        self.deadlines = (math.inf, math.inf)
+        self.status, self.examples, self.seconds = "done", 0, 0.0
+        self.artifacts: list[Path] = []
+        self._statuses: list[str] = []
+        self._ended: set[int] = set()  # searches that reported their end (or died)
+
+    def row(self) -> dict[str, Any]:
+        from verify.running.campaign import _slice_row
+
+        return _slice_row(
+            self.backend, self.tp, self.status, self.examples, self.artifacts, self.seconds
+        )
+
+    def save_unsaved(self) -> None:
+        """Nothing to do here: each search saves its own unsaved failure when it is stopped."""
+
+    def run(self, pool: Any, with_status: bool) -> None:
+        """Run the searches until each has ended (``pool`` is unused: each opens its own)."""
+        context = multiprocessing.get_context("spawn")
+        events = context.Queue()
+        threads = max(1, (os.cpu_count() or 2) // (2 * self.count))
+        processes = []
+        for index in range(self.count):
+            config = replace(self.config, seed=seed_of(self.config.seed, index, self.seed_stride))
+            order = _Order(
+                config, self.backend, self.tp, index, self.deadlines, with_status and index == 0,
+                threads,
+            )  # fmt: skip
+            processes.append(context.Process(target=_search, args=(order, events)))
+        began = time.monotonic()
+        try:
+            for process in processes:
+                process.start()
+            self._collect(processes, events)
+        except KeyboardInterrupt:  # stop the searches; each saves what it found, then reports
+            for process in processes:
+                if process.pid is not None and process.is_alive():
+                    os.kill(process.pid, signal.SIGTERM)
+            self._collect(processes, events, until=time.monotonic() + STOP_GRACE_S)
+            raise
+        finally:
+            for process in processes:
+                if process.pid is not None:
+                    process.join(timeout=max(0.0, STOP_GRACE_S - (time.monotonic() - began)))
+                    if process.is_alive():
+                        process.kill()
+                        process.join()
+            self.seconds = time.monotonic() - began
+            self.status = _merged_status(self._statuses)
+
+    def _collect(self, processes: list[Any], events: Any, until: float = math.inf) -> None:
+        """Apply the searches' events until each has reported its end (or died, or ``until``)."""
+        pending = set(range(len(processes))) - self._ended
+        missing_since: dict[int, float] = {}
+        while pending and time.monotonic() < until:
+            try:
+                event = events.get(timeout=0.5)
+            except queue.Empty:
+                now = time.monotonic()
+                for index in sorted(pending):
+                    process = processes[index]
+                    dead = process.pid is not None and not process.is_alive()
+                    if dead and now - missing_since.setdefault(index, now) >= DRAIN_S:
+                        self._died(index, process.exitcode)
+                        pending.discard(index)
+                continue
+            target, method, (args, kwargs) = event
+            if target == "done":
+                pending.discard(self._done(*args))
+            else:
+                getattr(self.tally if target == "tally" else self.progress, method)(*args, **kwargs)
+
+    def _done(self, index: int, status: str, examples: int, artifacts: list[str]) -> int:
+        self._ended.add(index)
+        self._statuses.append(status)
+        self.examples += examples
+        self.artifacts.extend(Path(path) for path in artifacts)
+        return index
+
+    def _died(self, index: int, exitcode: int | None) -> None:
+        self.tally.add_error(
+            f"{self.backend} TP={self.tp}",
+            f"search {index} of {self.count} ended without reporting (exit code {exitcode})",
+        )
+        self._done(index, "infrastructure error", 0, [])
+
+
+def _merged_status(statuses: list[str]) -> str:
+    """The slice's status: the most serious of its searches'."""
+    for status in ("interrupted", "infrastructure error", "budget"):
+        if status in statuses:
+            return status
+    return "done"
+
+
+def _search(order: _Order, events: Any) -> None:
+    """A search process: the slice's search at ``order``'s seed, its pool its own."""
+    import torch
+
+    from verify.distributed import WorkerPool, needs_pool
+    from verify.running.campaign import _Slice, stop_signals
+
+    torch.set_num_threads(order.threads)
+    tally = _Forward(events, "tally")
+    search = _Slice(order.config, order.backend, order.tp, tally, _Forward(events, "progress"))
+    search.deadlines = order.deadlines
+    pool = None
+    with stop_signals():
+        try:
+            if needs_pool(order.tp, order.config.device):
+                device, threads = order.config.device, order.threads
+                pool = WorkerPool(world_size=order.tp, device=device, threads_per_worker=threads)
+            search.run(pool, with_status=order.with_status)
+        except KeyboardInterrupt:
+            search.status = "interrupted"
+            search.save_unsaved()
+        except Exception as exc:  # the search could not go on: an infrastructure error
+            last = traceback.format_exception_only(exc)[-1].strip()
+            tally.add_error(f"{order.backend} TP={order.tp}", f"search {order.index}: {last}")
+            search.status = "infrastructure error"
+        finally:
+            if pool is not None:
+                with contextlib.suppress(Exception):
+                    pool.close()
+            paths = [str(path) for path in search.artifacts]
+            events.put(("done", "", ((order.index, search.status, search.examples, paths), {})))

@@ -2,11 +2,14 @@
 starts.
 
 A compiled kernel lands in Triton's on-disk cache, which every process of this user reads: a pool
-worker that meets the same specialization later loads it in milliseconds instead of compiling it
-(seconds each on an H200, one after another on the search's critical path). The kernels are
-specialized on the weight's dtype, on TMA or pointer loads, and (pointer loads) on whether H fills
-the tiles (`lce.backends.triton`); one small case per dtype x (aligned contiguous, transposed,
-odd H) reaches each of them. The search does not wait: it starts with the status examples.
+worker that meets the same specialization later loads it instead of compiling it (seconds each on
+an H200, on the search's critical path). One small case per weight dtype x (aligned contiguous,
+transposed, odd H) compiles the kernels' common classes (dtype, TMA or pointer loads, whether H
+fills the tiles). The kernels are also specialized on every int argument's value class (== 1,
+divisible by 16, other) and on pointer alignment, so a search meets many more (about 750
+specializations in its first 1,100 examples, counted offline; docs/NIGHTLY.md): those compile as
+they are met, once per host, while the concurrent searches (`concurrent_searches`) go on. The
+search does not wait: it starts with the status examples.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ process from its own seed, and the campaign reports them as one slice."""
 
 from __future__ import annotations
 
+from verify.results import report
 from verify.running import concurrent_searches
 from verify.running.campaign import RESTARTS, CampaignConfig, run_campaign
 from verify.running.progress import Progress
@@ -50,3 +51,19 @@ def test_several_searches_only_on_cuda_at_tp_1():
     assert concurrent_searches.default_count("cpu", 1, cores=16) == 1
     assert CampaignConfig(searches=3).searches_at(1) == 3
     assert CampaignConfig(searches=3).searches_at(2) == 1
+
+
+def test_a_search_that_cannot_start_is_an_infrastructure_error(tmp_path):
+    # device="cuda" without a GPU: each search's own pool refuses to start (validate() is what
+    # stops this at the command line; here it reaches the search processes on purpose).
+    tally = report.Tally()
+    config = CampaignConfig(backends=("torch",), tp_sizes=(1,), out_dir=tmp_path, device="cuda")
+    search = concurrent_searches.ConcurrentSlice(
+        config, "torch", 1, tally, Progress("test", 60, stream=None), count=2, seed_stride=3
+    )
+    search.run(None, with_status=True)
+    assert search.status == "infrastructure error" and search.examples == 0
+    messages = sorted(e["message"] for e in tally.errors)
+    assert [m.split(":")[0] for m in messages] == ["search 0", "search 1"]
+    assert "no GPU is visible" in messages[0]
+    assert search.row()["status"] == "infrastructure error"

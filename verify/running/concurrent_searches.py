@@ -8,7 +8,8 @@ runs the slice's ordinary search (`verify.running.campaign` ``_Slice``, the same
 checks) in a spawned process with its own TP=1 worker, and saves its failures' artifacts itself.
 Its tally and progress calls come back over a queue and are applied here in arrival order, so the
 campaign writes one report. Triton's disk cache is shared: a kernel one search compiled, the
-others load. Only search 0 runs the status examples.
+others load. Only search 0 runs the status examples. Each search keeps its own record of the
+failure classes it saved, so a class two searches both find is saved by each.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 # How long a search may take to save its findings and stop after SIGTERM (its pool's grace and a
 # shrink step in flight), before it is killed.
 STOP_GRACE_S = 30.0
+# How long the search processes get to exit once the slice is over.
+EXIT_S = 10.0
 # A search process found dead without its "done" message is given this long for messages still in
 # the queue's pipe before it counts as died.
 DRAIN_S = 2.0
@@ -131,10 +134,11 @@ class ConcurrentSlice:
                     os.kill(process.pid, signal.SIGTERM)
             self._collect(processes, events, until=time.monotonic() + STOP_GRACE_S)
             raise
-        finally:
+        finally:  # a search that reported its end exits at once; one that did not is ended
+            exit_by = time.monotonic() + EXIT_S
             for process in processes:
                 if process.pid is not None:
-                    process.join(timeout=max(0.0, STOP_GRACE_S - (time.monotonic() - began)))
+                    process.join(timeout=max(0.0, exit_by - time.monotonic()))
                     if process.is_alive():
                         process.kill()
                         process.join()

@@ -171,6 +171,20 @@ def test_forward_peaked_rows_and_large_offsets(dtype):
     assert bool((stats.sumexp >= 1).all())  # the max term contributes exp(0) = 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_keeps_tied_max_lanes(dtype):
+    """The max logit on 4 lanes (copies of one weight row): two in one tile, one in another tile
+    of the same split, one in another split. sumexp_nonmax leaves exactly one of them out."""
+    hidden, weight, targets = make_case(20, 16, 300, 0, dtype, seed=3)
+    hidden[:, -1] = 1.0
+    weight[[5, 6, 40, 250]] = weight[5].clone()
+    weight[[5, 6, 40, 250], -1] = 48.0
+    z = reference_logits(hidden, weight, 1.0)
+    assert bool((z[:, 5] == z.amax(dim=1)).sum() >= 15)  # most rows have their max there
+    stats = TritonStages(small_config()).forward_stats(hidden, weight, targets, 0, 1.0)
+    check_stats(stats, hidden, weight, targets, 0, 1.0)
+
+
 def test_tf32_option_stays_within_tf32_rounding():
     hidden, weight, targets = make_case(24, 64, 150, 0, torch.float32, seed=10)
     stats = TritonStages(small_config(fp32_precision="tf32")).forward_stats(

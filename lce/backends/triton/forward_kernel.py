@@ -19,6 +19,8 @@ from lce.backends.triton.tiles import grouped_tile, logits_tile, logits_tile_tma
 
 INTERPRETER_PROGRAMS = 2
 MERGE_BLOCK = 512  # tokens per program of the merge
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -52,28 +54,29 @@ def _online_softmax_step(
     # `acc * inv_temp - max` into one FMA (which leaves the product's rounding residual,
     # ~2^-24 |z|; weighted by p ~ 1 on a confident row it swamped E[z] - max, measured 6e-4
     # relative in the entropy gradient on an H100).
-    tile_max = tl.max(acc, axis=1)
+    tile_max, top_col = tl.max(acc, axis=1, return_indices=True)
     new_max = tl.maximum(row_max, tile_max)
     # Every tile holds >= 1 real column, so new_max is finite for finite logits; the guards
     # keep -inf rows (empty history) from producing inf - inf.
     seen = row_max > float("-inf")
     shift = tl.where(seen, (row_max - new_max) * inv_temp, 0.0)
     scale = tl.where(seen, tl.exp(shift), 0.0)
-    centred = (acc - new_max[:, None]) * inv_temp
+    # Lanes in log2 units: one multiply and exp2 per lane (tl.exp multiplies by log2(e) again).
+    centred2 = (acc - new_max[:, None]) * (inv_temp * LOG2E)
     if MASKED:
-        centred = tl.where(in_v, centred, 0.0)
-    e = tl.exp(centred)
+        centred2 = tl.where(in_v, centred2, 0.0)
+    e = tl.exp2(centred2)
     if MASKED:
         e = tl.where(in_v, e, 0.0)
-    # Non-max terms, never 1 + small: the tile's lanes but one of its max lanes (the others at
-    # its max add `top` each), then the running max lane's 1 where the tile takes the max over,
-    # else the tile's own max lane.
-    is_top = acc == tile_max[:, None]
-    top = tl.exp((tile_max - new_max) * inv_temp)
-    tops = tl.sum(is_top.to(tl.float32), axis=1)
-    tile_nonmax = tl.sum(tl.where(is_top, 0.0, e), axis=1) + (tops - 1.0) * top
-    sumexp_z = scale * (sumexp_z + shift * (1.0 + sumexp_nonmax)) + tl.sum(e * centred, axis=1)
-    sumexp_nonmax = scale * sumexp_nonmax + tile_nonmax + tl.where(tile_max >= row_max, scale, top)
+    # Non-max terms, never 1 + small: where the tile takes the max (ties included) its argmax
+    # lane (e = 1 exactly) is left out and the running max lane's 1, rescaled, joins the non-max
+    # terms; other lanes at the max add their 1. A tile below the max adds every lane.
+    takes = tile_max >= row_max
+    left_out = cols[None, :] == tl.where(takes, top_col, -1)[:, None]
+    tile_nonmax = tl.sum(tl.where(left_out, 0.0, e), axis=1)
+    tile_z = LN2 * tl.sum(e * centred2, axis=1)
+    sumexp_z = scale * (sumexp_z + shift * (1.0 + sumexp_nonmax)) + tile_z
+    sumexp_nonmax = scale * sumexp_nonmax + tile_nonmax + tl.where(takes, scale, 0.0)
     return new_max, sumexp_nonmax, sumexp_z, target_acc
 
 

@@ -1,0 +1,135 @@
+"""Interleaved A/B of lce source trees on one CUDA GPU: the Triton forward, the default loss path.
+
+    python benchmarks/tree_ab.py --trees before=OLD_TREE,after=. --reps 3 --json ab.json
+
+Each repetition runs every tree once, in turn, in a subprocess of its own that imports that tree's
+`lce` (so one process never mixes two trees' kernels). A run at one shape (llama3-8k by default)
+times, after warm-up, with CUDA events and medians: `TritonStages().forward_stats` alternating with
+one bf16 GEMM (the floor, which drifts between runs); the default mean loss (4 GEMMs) forward +
+backward, and its peak allocated memory above the inputs. The table gives each tree's medians over
+its runs and their spread (min-max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+SHAPES = {
+    "llama3-8k": (8192, 4096, 128256),
+    "qwen2.5-16k": (16384, 3584, 152064),
+    "gemma2-8k": (8192, 2304, 256000),
+}
+FIELDS = ("forward_ms", "gemm_ms", "loss_ms", "loss_peak_gib")
+
+
+def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
+    """One tree's numbers at ``shape`` (run with that tree first on sys.path)."""
+    import torch
+
+    import lce
+    from lce.backends.triton import TritonStages
+
+    num_tokens, hidden_size, vocab = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(num_tokens, hidden_size, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.02).bfloat16()
+    targets = torch.randint(0, vocab, (num_tokens,), device="cuda", generator=gen)
+    targets[::17] = -100
+    kernel_targets = targets.clamp(min=-1)  # the stage's ids: -1 for an ignored row
+
+    def timed(fn) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    stages = TritonStages()
+
+    def forward():
+        stages.forward_stats(hidden, weight, kernel_targets, 0, 1.0)
+
+    def gemm():
+        hidden @ weight.T
+
+    def loss():
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        out = lce.linear_cross_entropy(h, w, targets, backend="triton")
+        return torch.autograd.grad(out, (h, w))
+
+    for fn in (forward, gemm, forward, gemm, loss, loss):  # warm-up: compiles, cuBLAS handles
+        fn()
+    pairs = [(timed(forward), timed(gemm)) for _ in range(forward_reps)]
+    loss_times = [timed(loss) for _ in range(loss_reps)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = loss()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    del grads
+    return {
+        "lce": str(Path(lce.__file__).parent),
+        "forward_ms": statistics.median(f for f, _ in pairs),
+        "gemm_ms": statistics.median(g for _, g in pairs),
+        "loss_ms": statistics.median(loss_times),
+        "loss_peak_gib": peak,
+    }
+
+
+def run_tree(path: Path, args: argparse.Namespace) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(path)}
+    cmd = [sys.executable, __file__, "--child", args.shape]
+    cmd += ["--forward-reps", str(args.forward_reps), "--loss-reps", str(args.loss_reps)]
+    done = subprocess.run(cmd, env=env, cwd=path, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trees", help="comma-separated NAME=PATH (a checkout holding lce/)")
+    parser.add_argument("--shape", default="llama3-8k", choices=SHAPES)
+    parser.add_argument("--reps", type=int, default=3, help="alternating runs per tree")
+    parser.add_argument("--forward-reps", type=int, default=30)
+    parser.add_argument("--loss-reps", type=int, default=10)
+    parser.add_argument("--json", help="where to write every run's numbers")
+    parser.add_argument("--child", metavar="SHAPE", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.forward_reps, args.loss_reps)))
+        return
+    trees = dict(item.split("=", 1) for item in args.trees.split(","))
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for rep in range(args.reps):
+        for name, path in trees.items():
+            runs[name].append(run_tree(Path(path).resolve(), args))
+            print(rep, name, runs[name][-1], flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"shape": args.shape, "runs": runs}, indent=1))
+    print(f"\n## {args.shape}: median of each tree's runs (min-max over {args.reps} runs)")
+    print("| tree | " + " | ".join(FIELDS) + " |")
+    print("|---" * (len(FIELDS) + 1) + "|")
+    for name, results in runs.items():
+        good = [r for r in results if "error" not in r]
+        cells = []
+        for field in FIELDS:
+            values = [r[field] for r in good]
+            cells.append(
+                f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+                if values
+                else "error"
+            )
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -31,6 +31,7 @@ from lce.backends.triton import TileShape, TritonStages
 from lce.backends.triton import config as triton_config
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.forward_kernel import forward_partials
+from lce.backends.triton.stages import chunk_width
 from lce.tp import merge_stats
 from verify.numerics.reference import IGNORE_INDEX
 
@@ -164,7 +165,8 @@ def sweep(num_tokens: int, hidden_size: int, vocab: int) -> tuple[list[dict], ob
     hidden = torch.randn(num_tokens, hidden_size, device="cuda").bfloat16()
     weight = (torch.randn(vocab, hidden_size, device="cuda") * 0.02).bfloat16()
     targets = torch.randint(0, vocab, (num_tokens,), device="cuda")
-    width = TritonStages._chunk_width(num_tokens, vocab, 2, triton_config.GPU_CONFIG)
+    cfg = triton_config.GPU_CONFIG
+    width = chunk_width(num_tokens, vocab, 2, cfg.chunk_bytes, cfg.backward.block_v)
     d_logits = torch.empty(num_tokens, width, dtype=torch.bfloat16, device="cuda")
     data = (hidden, weight, targets, torch.ones(num_tokens, device="cuda"), d_logits)
     rows = []

@@ -103,12 +103,16 @@ class FusedLogprobEntropy(torch.autograd.Function):
             grad_entropy,
             torch.where(active, merged.target_grad(grad_logprob, grad_entropy), zero),
         )
+        # The TP sum of grad_hidden runs in fp32, rounded after it; without one the stage rounds
+        # its own fp32 sum (the Triton stage then needs no fp32 [T, H] buffer beside the result).
+        tp_sum = plan.options.reduce_grad_hidden and shard.group is not None
         grad_hidden, grad_weight = plan.stages.backward_grads(
             hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start,
             plan.options.temperature, rows, need_hidden, need_weight,
+            None if tp_sum else hidden.dtype,
         )  # fmt: skip
         if grad_hidden is not None:
-            if plan.options.reduce_grad_hidden:
+            if tp_sum:
                 reduce_grad_hidden(grad_hidden, shard.group)
             grad_hidden = grad_hidden.to(hidden.dtype)
         if grad_weight is not None:

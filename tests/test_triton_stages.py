@@ -24,6 +24,8 @@ pytest.importorskip("triton")
 from lce.backends import gemm
 from lce.backends.base import BackwardRows
 from lce.backends.triton import TileShape, TritonConfig, TritonStages, forward_kernel
+from lce.backends.triton import stages as stages_module
+from lce.backends.triton.config import GPU_CONFIG
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -265,6 +267,61 @@ def test_backward_grads_match_float64(shape, dtype):
         assert bool((grad_hidden[ignored] == 0).all()), "zero upstream rows get exactly zero"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_dlogits_inside_grad_weight(dtype):
+    """d_logits chunks 3 tiles wide in grad_weight's rows not written yet, narrowing to 1 tile,
+    then a 1-tile buffer of their own; grad_hidden rounded once to ``dtype`` by the stage. Same
+    bound as the fp32 test above, against a baseline rounded like the results."""
+    num_tokens, hidden_size, vocab = 40, 32, 700
+    hidden, weight, targets = make_case(num_tokens, hidden_size, vocab, 0, dtype, seed=12)
+    upstream = strided_upstream(targets, seed=13, expanded_entropy=False)
+    tile = num_tokens * hidden.element_size() * 64
+    config = small_config(chunk_bytes=3 * tile, tail_chunk_bytes=tile)
+    free = torch.empty_like(weight)
+    chunks = stages_module._dlogits_chunks(num_tokens, weight, free, config)
+    assert [c.start for c, _ in chunks] == [0] + [c.stop for c, _ in chunks[:-1]]
+    assert chunks[-1][0].stop == vocab
+    inside = [d._base is free for _, d in chunks]
+    assert inside[0] and not inside[-1] and inside == sorted(inside, reverse=True)
+    assert [c.stop - c.start for c, _ in chunks] == [192, 192, 128, 64, 64, 60]
+    rows = reference_rows(hidden, weight, targets, 0, 1.0, upstream)
+    grad_hidden, grad_weight = TritonStages(config).backward_grads(
+        hidden, weight, targets, 0, 1.0, rows, True, True, dtype
+    )
+    assert grad_hidden.dtype == grad_weight.dtype == dtype
+    ref = reference_grads(hidden, weight, targets, 0, 1.0, upstream)
+    base = reference_grads(hidden, weight, targets, 0, 1.0, upstream, dtype)
+    for name, got, r, b in zip(
+        ("grad_hidden", "grad_weight"), (grad_hidden, grad_weight), ref, base, strict=True
+    ):
+        err = (got.double() - r).norm().item()
+        bound = 2 * (b.to(dtype).double() - r).norm().item() + GRAD_FLOOR * r.norm().item()
+        assert err <= bound, f"{name}: ||K-R|| {err:.3e} > {bound:.3e}"
+
+
+def test_dlogits_chunks_at_llama3_8k_stay_inside_grad_weight():
+    """The GPU config at 8192 x 4096 x 128256 (meta tensors, no memory): every chunk but the
+    last few lies in grad_weight past its own rows, the one buffer of its own is the 16 MiB tail
+    (it was 128 MiB), and the narrowing adds few chunks (16 at full width)."""
+    (num_tokens, hidden_size, vocab), config = (8192, 4096, 128256), GPU_CONFIG
+    weight = torch.empty(vocab, hidden_size, dtype=torch.bfloat16, device="meta")
+    free = torch.empty_like(weight)
+    chunks = stages_module._dlogits_chunks(num_tokens, weight, free, config)
+    assert [c.start for c, _ in chunks] == [0] + [c.stop for c, _ in chunks[:-1]]
+    assert chunks[-1][0].stop == vocab
+    own = set()
+    for chunk, d_logits in chunks:
+        if d_logits._base is free:
+            first = d_logits.storage_offset()
+            assert first >= chunk.stop * hidden_size
+            assert first + num_tokens * d_logits.stride(0) <= free.numel()
+        else:
+            own.add(d_logits._base)
+    (buffer,) = own
+    assert buffer.numel() * buffer.element_size() <= config.tail_chunk_bytes
+    assert len(chunks) <= 22
+
+
 def test_backward_need_flags_and_low_precision_grad_weight():
     hidden, weight, targets = make_case(16, 32, 100, 0, torch.bfloat16, seed=5)
     upstream = strided_upstream(targets, seed=6, expanded_entropy=False)
@@ -297,6 +354,30 @@ def test_low_precision_gemm_is_one_rounding(m, k, n, dtype, monkeypatch):
     # sums rounded to bf16 are ~0.1 off here (64 x 16384 x 64): a fifth of the entries fail.
     bound = torch.finfo(dtype).eps * once.abs()
     bound += math.log2(k) * 2.0**-24 * (a.float().abs() @ b.float().abs())
+    assert bool(((out.float() - once).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 129, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_row_sum_rounds_once_in_its_own_memory(rows, dtype):
+    """`gemm.RowSum`: products over overlapping row ranges summed in fp32 (half the rows inside
+    the result's memory), then rounded in place: the fp32 sum rounded once. On CPU the same fp32
+    operations run, so equal; cuBLAS may sum in another order: 1 ulp plus the fp32 order bound."""
+    gen = torch.Generator().manual_seed(rows)
+    total = gemm.RowSum(rows, 24, dtype, torch.device(DEVICE))
+    acc = torch.zeros(rows, 24, device=DEVICE)
+    scale = torch.zeros(rows, 24, device=DEVICE)
+    for first in (0, rows // 3, 0, rows - 1):
+        a, b = (
+            torch.randn(s, generator=gen).to(DEVICE, dtype) for s in ((rows - first, 40), (40, 24))
+        )
+        total.add(slice(first, rows), a, b)
+        gemm.addmm_(acc[first:], a, b)
+        scale[first:] += a.float().abs() @ b.float().abs()
+    out = total.result()
+    assert out.dtype == dtype and out.shape == (rows, 24)
+    once = acc.to(dtype).float()
+    bound = 0 if DEVICE == "cpu" else torch.finfo(dtype).eps * once.abs() + 8 * 2.0**-24 * scale
     assert bool(((out.float() - once).abs() <= bound).all())
 
 

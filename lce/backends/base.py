@@ -103,12 +103,14 @@ class StageBackend(Protocol):
         rows: BackwardRows,
         need_hidden: bool,
         need_weight: bool,
+        grad_hidden_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Gradients of ``sum_t g_lp[t] * logprob[t] + g_ent[t] * entropy[t]`` for the local shard.
 
         ``d_z = g_lp * (onehot - p) - g_ent * p * (z - E[z])`` as `BackwardRows` spells it out,
-        ``d_logits = d_z / temperature``. Returns fp32 ``grad_hidden [T, H]`` (this shard's
-        partial sum) and ``grad_weight [V_local, H]`` in fp32 or already in weight's dtype (rounded
-        once from an fp32 accumulation), or None where not needed.
+        ``d_logits = d_z / temperature``. Returns ``grad_hidden [T, H]`` (this shard's partial
+        sum) in fp32, or already in ``grad_hidden_dtype`` when given (rounded once from an fp32
+        accumulation; the caller sums no further), and ``grad_weight [V_local, H]`` in fp32 or
+        already in weight's dtype (rounded likewise), or None where not needed.
         """
         ...

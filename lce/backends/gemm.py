@@ -73,3 +73,50 @@ def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc.addmm_(a.float(), b.float())
+
+
+# Rows of the first block `RowSum.result` rounds through a temporary (see there).
+FIRST_ROUNDED_ROWS = 64
+
+
+class RowSum:
+    """A ``[rows, cols]`` sum of matrix products kept in fp32, rounded once to ``dtype`` at the end.
+
+    For a 2-byte ``dtype`` the result's own memory holds the fp32 sums of its first ``rows // 2``
+    rows and `result` rounds them in place, so sums and result take 4 bytes per element together:
+    no fp32 ``[rows, cols]`` buffer beside a result allocated at the end. Other dtypes sum in the
+    result itself (fp32; fp64 for fp64 operands).
+    """
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._out = torch.zeros(rows, cols, dtype=dtype, device=device)
+        self._parts: list[tuple[int, torch.Tensor]] = [(0, self._out)]
+        if dtype.itemsize == 2:
+            inside = rows // 2
+            as_fp32 = self._out.view(-1)[: 2 * inside * cols].view(torch.float32)
+            outside = torch.zeros(rows - inside, cols, dtype=torch.float32, device=device)
+            self._parts = [(0, as_fp32.view(inside, cols)), (inside, outside)]
+
+    def add(self, rows: slice, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``sum[rows] += a @ b`` (`addmm_`)."""
+        for first, part in self._parts:
+            lo, hi = max(rows.start, first), min(rows.stop, first + part.shape[0])
+            if lo < hi:
+                addmm_(part[lo - first : hi - first], a[lo - rows.start : hi - rows.start], b)
+
+    def result(self) -> torch.Tensor:
+        """The sum in ``dtype``, each element rounded once; call once, after the last `add`."""
+        if len(self._parts) == 1:
+            return self._out
+        (_, inside), (first_outside, outside) = self._parts
+        # Row r's fp32 sum sits at bytes [4rC, 4(r+1)C), its rounded value goes to [2rC, 2(r+1)C):
+        # rows [a, b) with b <= 2a write only bytes already read, so blocks double in size; the
+        # first block, whose writes overlap its own reads, goes through a small temporary.
+        stop = min(FIRST_ROUNDED_ROWS, first_outside)
+        self._out[:stop].copy_(inside[:stop].to(self._out.dtype))
+        while stop < first_outside:
+            start, stop = stop, min(2 * stop, first_outside)
+            self._out[start:stop].copy_(inside[start:stop])
+        self._out[first_outside:].copy_(outside)  # after: these rows' bytes held fp32 sums
+        self._parts = [(0, self._out)]
+        return self._out

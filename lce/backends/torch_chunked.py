@@ -65,8 +65,12 @@ class TorchChunkedStages:
         rows: BackwardRows,
         need_hidden: bool,
         need_weight: bool,
+        grad_hidden_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        grad_hidden, grad_weight = _grad_buffers(hidden, weight, need_hidden, need_weight)
+        """Token chunks over the whole shard: each row of grad_hidden is one GEMM, written in
+        ``grad_hidden_dtype`` when that is weight's (its one rounding), else in fp32."""
+        rounded = grad_hidden_dtype == weight.dtype
+        grad_hidden, grad_weight = _grad_buffers(hidden, weight, need_hidden, need_weight, rounded)
         if weight.shape[0] == 0:
             return grad_hidden, grad_weight
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
@@ -172,11 +176,18 @@ def _empty_stats(hidden: torch.Tensor, weight: torch.Tensor) -> ShardStats:
 
 
 def _grad_buffers(
-    hidden: torch.Tensor, weight: torch.Tensor, need_hidden: bool, need_weight: bool
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    need_hidden: bool,
+    need_weight: bool,
+    hidden_in_weight_dtype: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     acc = dict(dtype=accumulation_dtype(weight.dtype), device=hidden.device)
+    hidden_dtype = weight.dtype if hidden_in_weight_dtype else acc["dtype"]
     return (
-        torch.zeros(hidden.shape, **acc) if need_hidden else None,
+        torch.zeros(hidden.shape, dtype=hidden_dtype, device=hidden.device)
+        if need_hidden
+        else None,
         torch.zeros(weight.shape, **acc) if need_weight else None,
     )
 

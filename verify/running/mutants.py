@@ -153,7 +153,7 @@ class Bf16GradWeight(MutantStages):
     """grad_weight accumulated chunk by chunk in a bf16 buffer."""
 
     def backward_grads(self, hidden, weight, targets, vocab_start, temperature, rows, *need):
-        need_h, need_w = need
+        need_h, need_w, *grad_hidden_dtype = need
         device = hidden.device
         grad_hidden = (
             torch.zeros(hidden.shape, dtype=torch.float32, device=device) if need_h else None
@@ -165,7 +165,7 @@ class Bf16GradWeight(MutantStages):
             r = slice(start, start + BUGGY_CHUNK)
             gh, gw = self.inner.backward_grads(
                 hidden[r], weight, targets[r], vocab_start, temperature,
-                select_rows(rows, r), need_h, need_w,
+                select_rows(rows, r), need_h, need_w, *grad_hidden_dtype,
             )  # fmt: skip
             if gh is not None:
                 grad_hidden = grad_hidden.to(gh.dtype)

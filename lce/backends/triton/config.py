@@ -66,9 +66,14 @@ class TritonConfig:
 
     ``tiles_per_program``: vocab tiles one forward program sweeps with its online softmax (the
     forward workspace is ``4 * T * ceil(V / (block_v * tiles_per_program))`` fp32).
-    ``chunk_bytes``: budget of the backward ``[T, chunk]`` d_logits buffer (weight's dtype). The
-    backward's peak is grad_weight + fp32 grad_hidden + this buffer; on an H100 at llama3-8k 256,
-    128 and 64 MiB gave 1.30x, 1.18x and 1.12x the gradients at 54.8, 55.5 and 57.3 ms.
+    ``chunk_bytes``: most bytes of one backward ``[T, chunk]`` d_logits chunk (weight's dtype).
+    It lies in grad_weight's rows not written yet while they hold it, then the narrower
+    ``tail_chunk_bytes`` chunks take the rest in a buffer of their own (see
+    `stages._dlogits_chunks`); without such rows (no grad_weight, fp32 grad_weight, several
+    token blocks) every chunk is ``chunk_bytes`` in one buffer. The backward's peak is then
+    grad_weight + grad_hidden's fp32 sums (4 bytes per element, the bf16 result included) + the
+    tail buffer; with a ``chunk_bytes`` buffer instead it was 1.18x the gradients at llama3-8k
+    (H100: 256, 128 and 64 MiB gave 1.30x, 1.18x and 1.12x at 54.8, 55.5 and 57.3 ms).
     ``fp32_precision``: ``tl.dot`` mode for fp32 inputs; ``ieee`` (default) matches an fp32
     reference, ``tf32`` is faster and ~3e-4 relative. Low-precision inputs ignore it; the
     backward's cuBLAS GEMMs follow ``torch.backends.cuda.matmul.allow_tf32`` instead.
@@ -89,6 +94,7 @@ class TritonConfig:
     backward: TileShape
     tiles_per_program: int = 8
     chunk_bytes: int = 128 << 20
+    tail_chunk_bytes: int = 16 << 20
     fp32_precision: str = "ieee"
     use_tma: bool = True
     grad_weight_fp32: bool = False
@@ -102,7 +108,7 @@ class TritonConfig:
             )
         if self.tiles_per_program < 1:
             raise ValueError(f"tiles_per_program must be >= 1, got {self.tiles_per_program}")
-        for name in ("chunk_bytes", "loss_chunk_bytes"):
+        for name in ("chunk_bytes", "tail_chunk_bytes", "loss_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

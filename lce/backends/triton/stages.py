@@ -14,7 +14,7 @@ from dataclasses import fields
 import torch
 
 from lce.backends.base import BackwardRows, ShardStats, select_rows
-from lce.backends.gemm import addmm_, mm_into
+from lce.backends.gemm import RowSum, addmm_, mm_into
 from lce.backends.torch_chunked import GlobalMerge
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.config import TritonConfig, default_config
@@ -23,6 +23,9 @@ from lce.backends.triton.loss_kernels import row_dlogits, row_stats_into
 
 # Token rows of a logits chunk are rounded to this (the GEMMs' tile multiple) when they fit.
 LOSS_ROW_ALIGN = 256
+# A d_logits chunk inside grad_weight starts at a multiple of this many elements (>= 128 bytes;
+# TMA needs 16).
+ALIAS_ALIGN = 64
 
 
 def _check_operands(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
@@ -101,8 +104,11 @@ class TritonStages:
         rows: BackwardRows,
         need_hidden: bool,
         need_weight: bool,
+        grad_hidden_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """See `lce.backends.base.StageBackend.backward_grads`; workspace one d_logits chunk."""
+        """See `lce.backends.base.StageBackend.backward_grads` (grad_hidden comes back in
+        ``grad_hidden_dtype`` when given). Workspace: one d_logits chunk, inside grad_weight's
+        rows not written yet where they hold it (`_dlogits_chunks`)."""
         _check_operands(hidden, weight, targets)
         (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
         config = self._config()
@@ -110,7 +116,9 @@ class TritonStages:
         blocks = self._token_blocks(num_tokens)
         grad_hidden = None
         if need_hidden:
-            grad_hidden = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=device)
+            grad_hidden = RowSum(
+                num_tokens, hidden_size, grad_hidden_dtype or torch.float32, device
+            )
         grad_weight = None
         if need_weight:
             # Every chunk writes its grad_weight rows, so only T = 0 needs the zeros; several token
@@ -120,13 +128,9 @@ class TritonStages:
             dtype = torch.float32 if fp32 else weight.dtype
             grad_weight = alloc(vocab_local, hidden_size, dtype=dtype, device=device)
         if num_tokens == 0 or vocab_local == 0 or not (need_hidden or need_weight):
-            return grad_hidden, grad_weight
-        block_tokens = blocks[0].stop
-        width = self._chunk_width(block_tokens, vocab_local, weight.element_size(), config)
-        # Rows padded to 16 elements: the kernel's stores stay aligned (vectorized), and its row
-        # stride is one compiled specialization whatever V is.
-        padded = -(-width // 16) * 16
-        buffer = torch.empty(block_tokens, padded, dtype=weight.dtype, device=hidden.device)
+            return _result(grad_hidden), grad_weight
+        free_rows = grad_weight if len(blocks) == 1 and grad_weight is not None else None
+        chunks = _dlogits_chunks(blocks[0].stop, weight, free_rows, config)
         rows = BackwardRows(
             *(s.float().contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
             rows.grad_logprob.float(),
@@ -136,20 +140,19 @@ class TritonStages:
         targets = targets.contiguous()
         for block in blocks:
             block_hidden = hidden[block]
-            for start in range(0, vocab_local, width):
-                chunk = slice(start, min(start + width, vocab_local))
-                d_logits = buffer[: block.stop - block.start, : chunk.stop - start]
+            for chunk, buffer in chunks:
+                d_logits = buffer[: block.stop - block.start]
                 dlogits_chunk(
-                    block_hidden, weight[chunk], targets[block], vocab_start + start, temperature,
-                    select_rows(rows, block), d_logits, config,
+                    block_hidden, weight[chunk], targets[block], vocab_start + chunk.start,
+                    temperature, select_rows(rows, block), d_logits, config,
                 )  # fmt: skip
                 if grad_weight is not None and block.start == 0:
                     mm_into(d_logits.T, block_hidden, out=grad_weight[chunk])
                 elif grad_weight is not None:
                     addmm_(grad_weight[chunk], d_logits.T, block_hidden)
                 if grad_hidden is not None:
-                    addmm_(grad_hidden[block], d_logits, weight[chunk])
-        return grad_hidden, grad_weight
+                    grad_hidden.add(block, d_logits, weight[chunk])
+        return _result(grad_hidden), grad_weight
 
     def loss_grads_in_forward(
         self,
@@ -222,9 +225,82 @@ class TritonStages:
         aligned = -(-rows // LOSS_ROW_ALIGN) * LOSS_ROW_ALIGN
         return min(num_tokens, aligned if aligned <= most else rows)
 
-    @staticmethod
-    def _chunk_width(num_tokens: int, vocab_local: int, itemsize: int, config: TritonConfig) -> int:
-        """Vocab rows per d_logits chunk: ``chunk_bytes`` worth, whole tiles, at most V_local."""
-        block_v = config.backward.block_v
-        width = config.chunk_bytes // (num_tokens * itemsize) // block_v * block_v
-        return min(vocab_local, max(block_v, width))
+
+def _result(grad_hidden: RowSum | None) -> torch.Tensor | None:
+    return None if grad_hidden is None else grad_hidden.result()
+
+
+def chunk_width(num_tokens: int, vocab_local: int, itemsize: int, budget: int, block_v: int) -> int:
+    """Vocab rows per d_logits chunk: ``budget`` bytes worth, whole tiles, at most V_local."""
+    width = budget // (num_tokens * itemsize) // block_v * block_v
+    return min(vocab_local, max(block_v, width))
+
+
+def _padded(width: int) -> int:
+    """d_logits rows padded to 16 elements: the kernel's stores stay aligned (vectorized), and its
+    row stride is one compiled specialization whatever V is."""
+    return -(-width // 16) * 16
+
+
+def _dlogits_chunks(
+    num_tokens: int, weight: torch.Tensor, grad_weight: torch.Tensor | None, config: TritonConfig
+) -> list[tuple[slice, torch.Tensor]]:
+    """The backward's vocab chunks in order, each with its ``[num_tokens, width]`` d_logits buffer.
+
+    Chunks are ``chunk_bytes`` wide. With ``grad_weight`` (written chunk by chunk, in order) in
+    weight's dtype, a chunk's buffer lies in grad_weight's rows past the chunk, not written yet:
+    no buffer of its own at full width (128 MiB at llama3-8k). The chunks narrow as those rows
+    run out; once a ``tail_chunk_bytes`` chunk no longer fits there, a buffer of that size takes
+    the rest.
+    """
+    vocab_local, block_v = weight.shape[0], config.backward.block_v
+    widest = chunk_width(
+        num_tokens, vocab_local, weight.element_size(), config.chunk_bytes, block_v
+    )
+    tail = chunk_width(
+        num_tokens, vocab_local, weight.element_size(), config.tail_chunk_bytes, block_v
+    )
+    inside = grad_weight is not None and grad_weight.dtype == weight.dtype and tail < widest
+    if not inside:
+        tail = widest  # every chunk in one buffer of its own
+    chunks: list[tuple[slice, torch.Tensor]] = []
+    tail_buffer = None
+    start = 0
+    while start < vocab_local:
+        rest = vocab_local - start
+        d_logits = None
+        if inside:
+            d_logits = _inside(
+                grad_weight, start, min(widest, rest), min(tail, rest), num_tokens, block_v
+            )
+        if d_logits is None:
+            if tail_buffer is None:
+                tail_buffer = torch.empty(
+                    num_tokens, _padded(min(tail, rest)), dtype=weight.dtype, device=weight.device
+                )
+            d_logits = tail_buffer[:, : min(tail, rest)]
+        chunks.append((slice(start, start + d_logits.shape[1]), d_logits))
+        start += d_logits.shape[1]
+    return chunks
+
+
+def _inside(
+    grad_weight: torch.Tensor,
+    start: int,
+    widest: int,
+    narrowest: int,
+    num_tokens: int,
+    block_v: int,
+) -> torch.Tensor | None:
+    """d_logits of the widest chunk at ``start`` (``widest`` down to ``narrowest`` columns, whole
+    tiles) whose ``[num_tokens, width]`` buffer fits in grad_weight's rows past the chunk's own;
+    None where none does."""
+    flat, hidden_size = grad_weight.view(-1), grad_weight.shape[1]
+    width = widest
+    while width >= narrowest and width > 0:
+        first = -(-(start + width) * hidden_size // ALIAS_ALIGN) * ALIAS_ALIGN
+        padded = _padded(width)
+        if first + num_tokens * padded <= flat.numel():
+            return flat[first : first + num_tokens * padded].view(num_tokens, padded)[:, :width]
+        width = (width - 1) // block_v * block_v
+    return None

@@ -93,13 +93,17 @@ def check_large(num_tokens=4096, hidden_size=4096, vocab=32257, temperature=0.8)
     stages = TritonStages()
     stats = stages.forward_stats(hidden, weight, targets, 0, temperature)
     ref_stats = reference_stats(hidden, weight, targets, 0, temperature)
-    lse = stats.max.double() + stats.sumexp.double().log()
-    expected = stats.max.double() + stats.sumexp_z.double() / stats.sumexp.double()
+    max_z = stats.max.double() / temperature  # max and target_logit come in raw dot units
+    lse = max_z + stats.sumexp.double().log()
+    expected = max_z + stats.sumexp_z.double() / stats.sumexp.double()
     result = {
         "shape": [num_tokens, hidden_size, vocab],
         "lse_max_abs_err": (lse - ref_stats.lse).abs().max().item(),
         "expected_max_abs_err": (expected - ref_stats.expected).abs().max().item(),
-        "target_max_abs_err": (stats.target_logit.double() - ref_stats.target).abs().max().item(),
+        "target_max_abs_err": (stats.target_logit.double() / temperature - ref_stats.target)
+        .abs()
+        .max()
+        .item(),
     }
     rows = reference_rows(hidden, weight, targets, 0, temperature, upstream)
     grads = stages.backward_grads(hidden, weight, targets, 0, temperature, rows, True, True)

@@ -29,16 +29,20 @@ def test_confident_row_entropy_keeps_relative_precision(backend):
     """Runner-up logit 19.5 below the max: s = sum of the non-max p ~ 3.4e-9 < eps(1), entropy
     ~ 19.5 s ~ 7e-8. log(1 + s) rounds to 0, which cost the entropy 5% (and its gradient with it);
     log1p(s) keeps fp32 relative precision, as float64 shows."""
-    hidden = torch.tensor([[1.0, 0.0], [0.5, 1.0]], requires_grad=True)
-    weight = torch.tensor([[20.0, 0.0], [0.5, 0.0], [0.0, -30.0]], requires_grad=True)
-    targets = torch.tensor([0, 0])
+    # The Triton backend runs compiled on a CUDA machine (the interpreter otherwise).
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    hidden = torch.tensor([[1.0, 0.0], [0.5, 1.0]], device=device, requires_grad=True)
+    weight = torch.tensor(
+        [[20.0, 0.0], [0.5, 0.0], [0.0, -30.0]], device=device, requires_grad=True
+    )
+    targets = torch.tensor([0, 0], device=device)
     out = lce.token_logprobs(hidden, weight, targets, backend=backend)
     out.entropy[0].backward()
-    h, w = hidden.detach().double().requires_grad_(), weight.detach().double()
+    h, w = hidden.detach().cpu().double().requires_grad_(), weight.detach().cpu().double()
     log_p = torch.log_softmax(h @ w.T, dim=-1)
     exact = -(log_p.exp() * log_p).sum(-1)[0]
     exact.backward()
     assert 1e-8 < exact < 2e-7
     # fp32 relative precision: a few eps32 = 1.2e-7 through exp/log1p and one division.
     assert abs(out.entropy[0].double().item() / exact.item() - 1) < 1e-5
-    torch.testing.assert_close(hidden.grad[0].double(), h.grad[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(hidden.grad[0].cpu().double(), h.grad[0], rtol=1e-5, atol=0)

@@ -72,8 +72,9 @@ class TritonConfig:
     `stages._dlogits_chunks`); without such rows (no grad_weight, fp32 grad_weight, several
     token blocks) every chunk is ``chunk_bytes`` in one buffer. The backward's peak is then
     grad_weight + grad_hidden's fp32 sums (4 bytes per element, the bf16 result included) + the
-    tail buffer; with a ``chunk_bytes`` buffer instead it was 1.18x the gradients at llama3-8k
-    (H100: 256, 128 and 64 MiB gave 1.30x, 1.18x and 1.12x at 54.8, 55.5 and 57.3 ms).
+    tail buffer: 1.08x the gradients at llama3-8k on an H200, where a ``chunk_bytes`` buffer of
+    its own gave 1.18x (H100: 256, 128 and 64 MiB gave 1.30x, 1.18x and 1.12x at 54.8, 55.5 and
+    57.3 ms).
     ``fp32_precision``: ``tl.dot`` mode for fp32 inputs; ``ieee`` (default) matches an fp32
     reference, ``tf32`` is faster and ~3e-4 relative. Low-precision inputs ignore it; the
     backward's cuBLAS GEMMs follow ``torch.backends.cuda.matmul.allow_tf32`` instead.

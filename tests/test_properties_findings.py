@@ -159,6 +159,43 @@ def test_confident_rows_at_tp2_fp64_as_precise_as_stock_path(pool) -> None:
     assert not failed, "\n".join(failed)
 
 
+def test_entropy_gradient_on_large_offset_logits_within_their_rounding() -> None:
+    # A false alarm on clean code, fixed in the derived tolerance (found by a search over
+    # peaked/offset rows at TP 2; TP 1 alike): fp64, logits ~ -770, T = 1.3, an entropy upstream.
+    # Every implementation's logits carry u|z| ~ 1.7e-13 there; the entropy part of d_z,
+    # -g_ent p (z - E z), moves by g_ent p (dz - E dz - ...) however small z - E z is, but the
+    # zeps scale weighed only |d_logits|. grad_weight: lce 3.8e-14 from exact arithmetic, R and
+    # B 4.7e-14 with the same rounding (|B - R| 1e-16), so |K - R| 9.1e-15 was 7x the ratio
+    # tier; now 0.11x (the scale adds |g_ent| p ((1 - p) + spread) / T per lane).
+    spec = CaseSpec(
+        tokens=2, hidden_size=8, vocab=2, hidden_dtype="fp64", weight_dtype="fp64",
+        regime="offset", offset=-1000.0, scale=0.3, temperature=1.3, reduction="sum",
+        upstream="expanded", ignore_index=0, seed=7,
+    )  # fmt: skip
+    failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
+    assert not failed, "\n".join(failed)
+
+
+def test_entropy_gradient_scale_still_fails_a_rounded_complement() -> None:
+    # What the entropy term of the gradients' zeps scale must not grant: the old confident-row
+    # defect, 1 - p_y rounded at 1 (fp32, scale 10, T = 0.25, g_lp = g_ent), planted in lce.
+    # It failed grad_weight at 326x before the term, 135x with it; the clean code passes.
+    from unittest import mock
+
+    from lce.tp import GlobalStats
+
+    spec = CaseSpec(
+        tokens=6, hidden_size=64, vocab=2, scale=10.0, temperature=0.25, ignore="chunk",
+        upstream="scalar", seed=1,
+    )  # fmt: skip
+    assert not [v for v in check_case(spec, properties=["differential"]) if v.failed]
+    rounded = property(lambda stats: 1.0 - torch.exp(stats.logprob))
+    with mock.patch.object(GlobalStats, "target_complement", rounded):
+        verdicts = check_case(spec, properties=["differential"])  # a fresh runner: no cached run
+    worst = max(verdicts, key=lambda v: v.ratio)
+    assert worst.output == "grad_weight" and worst.ratio > 50, worst.line()
+
+
 # Found by a campaign once nothing was excused: fp32, T = 0.7, every logit offset by 10.
 OFFSET_TEMPERATURE_ROWS = CaseSpec(
     backend="triton", batch=2, tokens=1, hidden_size=8, vocab=4, regime="offset", offset=10.0,

@@ -112,18 +112,27 @@ def logit_scales(spec: CaseSpec, dot_rounding: bool = False) -> dict[str, torch.
     the logits' rounding moves H by ``sum p dz (z - E z)``). The loss: its reduction of the
     log-probs' scales. Gradients: the largest ``max|z|`` (at least 1: each term is rounded once
     more in the gradient's dtype, partials at TP > 1 before their sum) times the absolute-term
-    sums of `gradient_magnitudes` (``dp = p (dz - E dz)``)."""
+    sums of `gradient_magnitudes` (``dp = p (dz - E dz)``). The entropy part ``d_z = -g_ent p
+    (z - E z)`` adds sums of ``|g_ent| p ((1 - p) + spread) / T``: rounded logits move it by
+    ``g_ent p (dz - E dz - sum_k p_k (dz_k - E dz)(z_k - E z))`` (plus dp's share, relative),
+    with ``|dz_j - E dz| <= (1 - p_j) 2u max|z|``, however small ``z - E z`` and so
+    ``|d_logits|`` is (fp64 at |z| ~ 770: lce 3.8e-14 from exact arithmetic, R and B 4.7e-14 with
+    the same rounding, so |K - R| was 7x the ratio tier). ``1 - p`` keeps it from granting a
+    confident row's target lane ``u * 1``: a planted ``1 - p_y`` rounded at 1 still fails, 135x
+    (tests/test_properties_findings.py; 326x without this term)."""
     problem = build(spec)
     hidden = problem.hidden.to(problem.weight.dtype).to(torch.float64)
     weight = problem.weight.to(torch.float64)
-    z = hidden @ weight.T / effective_temperature(spec)
+    temperature = effective_temperature(spec)
+    z = hidden @ weight.T / temperature
     size = z.abs()
     if dot_rounding:
         # Dots accumulate in fp32 (fp64 for fp64) whatever dtype the logits are rounded to.
         acc = torch.float64 if problem.weight.dtype == torch.float64 else torch.float32
         ratio = torch.finfo(acc).eps / torch.finfo(problem.weight.dtype).eps
-        terms = hidden.abs() @ weight.abs().T / effective_temperature(spec)
+        terms = hidden.abs() @ weight.abs().T / temperature
         size = size + ratio * spec.hidden_size * terms
+    entropy_sizes = None
     if z.shape[-1] == 0 or z.shape[0] == 0:
         zmax = z.new_zeros(z.shape[0])
         spread = zmax
@@ -131,6 +140,11 @@ def logit_scales(spec: CaseSpec, dot_rounding: bool = False) -> dict[str, torch.
         zmax = size.amax(dim=-1)
         p = torch.softmax(z, dim=-1)
         spread = (p * (z - (p * z).sum(-1, keepdim=True)).abs()).sum(-1)
+        if problem.grad_entropy is not None:
+            g_ent = torch.where(problem.valid, problem.grad_entropy.double(), 0.0)
+            share = (1.0 - p).clamp_min(0.0) + spread[:, None]
+            sizes = (g_ent.abs() / temperature)[:, None] * p * share
+            entropy_sizes = (sizes @ weight.abs(), sizes.T @ hidden.abs())
     valid = problem.valid
     logprobs = torch.where(valid, zmax, 0.0)
     loss = {"none": logprobs, "sum": logprobs.sum()}.get(spec.reduction)
@@ -144,6 +158,9 @@ def logit_scales(spec: CaseSpec, dot_rounding: bool = False) -> dict[str, torch.
         if prefix + "grad_hidden" not in sizes:
             continue
         hidden_size, weight_size = sizes[prefix + "grad_hidden"], sizes[prefix + "grad_weight"]
+        if prefix == "" and entropy_sizes is not None:
+            hidden_size = hidden_size + entropy_sizes[0]
+            weight_size = weight_size + entropy_sizes[1]
         if spec.tied and spec.transform != "untie":
             embed = torch.zeros_like(weight_size).index_add_(0, problem.embed_ids, hidden_size)
             weight_size = weight_size + TIE_SCALE * embed

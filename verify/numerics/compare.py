@@ -87,7 +87,7 @@ class Verdict:
         return max((t.ratio for t in self.tiers if t.name == name), default=0.0)
 
 
-def _half_subnormal(dtype: torch.dtype) -> float:
+def half_subnormal(dtype: torch.dtype) -> float:
     """Half the smallest positive subnormal of ``dtype``: the absolute part of one rounding."""
     if not dtype.is_floating_point:
         return 0.0
@@ -155,7 +155,7 @@ def compare(
     if base is not None:
         b = base.detach().to(torch.float64).reshape(-1)[finite]
         base_err = (b - r).abs()
-        floor = runs * (tol.floor * scale + roundings * _half_subnormal(kernel.dtype))
+        floor = runs * (tol.floor * scale + roundings * half_subnormal(kernel.dtype))
         max_allowed = tol.alpha * base_err.max().item() + floor + runs * z.max().item()
         mean_allowed = tol.alpha * base_err.mean().item() + floor + runs * z.mean().item()
         tiers.append(Tier("ratio", err.max().item(), max_allowed))

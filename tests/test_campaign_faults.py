@@ -99,3 +99,36 @@ def test_a_stopped_campaign_writes_its_report_so_far(sig, tmp_path):
     assert doc["examples"] > 0 and doc["slices"][-1]["status"] == "interrupted"
     assert sum(s["examples"] for s in doc["slices"]) == doc["examples"]
     assert (out / "report.md").read_text().startswith(f"# ci campaign: INTERRUPTED by {name}")
+
+
+@pytest.mark.parametrize("surfaces_as", ["exception", "result"])
+def test_an_interrupt_swallowed_on_its_way_up_still_stops_the_campaign(
+    surfaces_as, tmp_path, monkeypatch
+):
+    """Seen once in two fresh-clone runs of the SIGINT test above: the KeyboardInterrupt was
+    caught inside the search (by Hypothesis, mid-generation) and surfaced as a bare
+    AssertionError, which the campaign reported as an infrastructure error (exit 3, slice "done").
+    Here the search catches the interrupt itself, then raises (or returns as if it had ended)."""
+    from verify.running import campaign
+    from verify.running.engine import SearchResult
+
+    def swallowing_search(names, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the campaign's handler raises KeyboardInterrupt in here
+        except KeyboardInterrupt:
+            pass
+        if surfaces_as == "exception":
+            raise AssertionError
+        return SearchResult(property=names[0])
+
+    monkeypatch.setattr(campaign, "run_property", swallowing_search)
+    config = CampaignConfig(
+        backends=("torch",), tp_sizes=(1,), budget_s=60, out_dir=tmp_path / "out",
+        properties=("differential",), max_examples=3,
+    )  # fmt: skip
+    result = run_campaign(config, Progress("test", 60, stream=None))
+    doc = result.report
+    assert result.interrupted == "SIGINT" and doc["interrupted"] == "SIGINT"
+    assert doc["errors"] == [] and doc["failures"] == [] and result.artifacts == []
+    assert doc["slices"][-1]["status"] == "interrupted" and doc["passed"] is False

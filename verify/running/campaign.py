@@ -223,6 +223,8 @@ def run_campaign(
                     )
                 search.deadlines = (time.monotonic() + share, deadline)
                 search.run(pool, with_status=backend == config.backends[0])
+                if stop_requested():  # the interrupt was swallowed on its way up
+                    raise KeyboardInterrupt(received.name)
                 exhausted |= search.status == "budget"
                 saved.extend(search.artifacts)
                 tally.slices.append(search.row())
@@ -251,6 +253,18 @@ class _Received:
     name = "SIGINT"
 
 
+# Set by a stop signal inside `stop_signals`: the KeyboardInterrupt it raises may be caught on its
+# way up (by Hypothesis, mid-generation) and surface as another exception, e.g. a bare
+# AssertionError, which must not become a finding or an infrastructure error (seen once in two
+# fresh-clone test runs: exit 3 "infrastructure error ... AssertionError:" instead of 130).
+_stop_arrived = threading.Event()
+
+
+def stop_requested() -> bool:
+    """A stop signal arrived in the `stop_signals` block now running."""
+    return _stop_arrived.is_set()
+
+
 @contextlib.contextmanager
 def stop_signals() -> Iterator[_Received]:
     """SIGINT and SIGTERM stop the block with ``KeyboardInterrupt`` (the yielded object names
@@ -264,14 +278,17 @@ def stop_signals() -> Iterator[_Received]:
 
     def stop(signum: int, frame: Any) -> None:
         received.name = signal.Signals(signum).name
+        _stop_arrived.set()
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt(received.name)
 
+    _stop_arrived.clear()
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         yield received
     finally:
+        _stop_arrived.clear()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -368,6 +385,8 @@ class _Slice:
                 on_example=self._on_example,
                 deadlines=self.deadlines,
             )
+            if stop_requested():  # Hypothesis caught the interrupt: its result is not a finding
+                raise KeyboardInterrupt
             if result.stopped:
                 self.status = "budget"
             if not result.passed:  # when stopped, shrinking's best so far
@@ -377,6 +396,8 @@ class _Slice:
         except InfraFault:  # reported by the runner; no failure artifact: lce did not fail
             self.status = "infrastructure error"
         except Exception as exc:  # the case raised; Hypothesis shrank it to `self.current`
+            if stop_requested():  # what the interrupt left behind, not the case's outcome
+                raise KeyboardInterrupt from exc
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             self._save(self.current, names, [], f"{type(exc).__name__}: {first_line}", None)
         return len(self.artifacts) > saved

@@ -27,3 +27,8 @@ def stall_once(payload: dict[str, Any], ctx: Any) -> Any:
         os.replace(path + ".tmp", path)
         time.sleep(120)
     return case_job(payload, ctx)
+
+
+def peer_raises(payload: dict[str, Any], ctx: Any) -> None:
+    """A peer's job that raises on every rank, as megatron-core missing from a worker would."""
+    raise ModuleNotFoundError("No module named 'megatron'")

@@ -2,12 +2,16 @@
 
 `torch_peer`: ``torch.nn.functional.linear_cross_entropy`` on the same (cast) inputs, in the driver.
 `megatron_peer`: megatron-core's ``vocab_parallel_cross_entropy`` on materialized logits shards,
-run on the pool's TP group (real collectives), equal shards only (megatron's own limit).
+run on the pool's TP group (real collectives), equal shards only (megatron's own limit); it does
+not apply where megatron-core is not installed, and megatron-core raising is the harness's error
+(a peer that raised says nothing about lce), never lce's failure.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
+from functools import lru_cache
 from types import ModuleType
 from typing import Any
 from unittest import mock
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from verify.cases.build import build
 from verify.cases.rank_inputs import effective_temperature, vocab_range
 from verify.cases.spec import CaseSpec
+from verify.distributed.errors import WorkerError
 from verify.execution.outcome import TOLERANCE_OUTPUT
 from verify.execution.runner import Runner
 from verify.numerics.reference import loss_upstream_grad
@@ -82,14 +87,29 @@ def megatron_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
         return []
     if spec.tied or spec.fault != "none" or spec.transform != "none" or spec.num_tokens == 0:
         return []
+    if not megatron_installed():
+        return []
     with stage_timing.stage("peer"):
-        results = runner.pool.run(MEGATRON_JOB, {"spec": spec.to_json()}, tp=spec.tp)
+        try:
+            results = runner.pool.run(MEGATRON_JOB, {"spec": spec.to_json()}, tp=spec.tp)
+        except WorkerError as error:  # the peer's job raised: a harness verdict, not lce's
+            raised = error.traceback.strip().splitlines()[-1] if error.traceback.strip() else ""
+            message = f"megatron-core's job raised on rank {error.rank}: {raised}"
+            raise RuntimeError(message) from error
     peer = {"logprobs": results[0]["logprobs"]}
     if "loss_grad_hidden" in results[0]:
         peer["loss_grad_hidden"] = results[0]["loss_grad_hidden"]
     if "loss_grad_weight" in results[0]:
         peer["loss_grad_weight"] = torch.cat([r["loss_grad_weight"] for r in results])
     return _against_peer("megatron_peer", spec, runner, peer)
+
+
+@lru_cache(maxsize=1)
+def megatron_installed() -> bool:
+    """megatron-core is importable here (the workers share this environment)."""
+    return importlib.util.find_spec("megatron") is not None and (
+        importlib.util.find_spec("megatron.core") is not None
+    )
 
 
 def megatron_job(payload: dict[str, Any], ctx: Any) -> dict[str, torch.Tensor]:

@@ -79,20 +79,42 @@ def gradient_magnitudes(spec: CaseSpec) -> dict[str, torch.Tensor]:
     the absolute values of the terms each element sums (`Reference.magnitudes`): any order of
     summing n of them in unit roundoff u is off by at most about n * u times this."""
     problem = build(spec)
-    args = (problem.hidden, problem.weight, problem.targets)
-    kw = {"ignore_index": problem.ignore_index, "temperature": effective_temperature(spec)}
-    kw = {**kw, "magnitudes": True}
     runs = {
-        "": reference(
-            *args, grad_logprob=problem.grad_logprob, grad_entropy=problem.grad_entropy, **kw
-        ),
-        "loss_": reference(*args, grad_logprob=_loss_upstream(spec, problem), **kw),
+        "": _magnitudes(spec, problem, problem.grad_logprob, problem.grad_entropy),
+        "loss_": loss_magnitudes(spec),
     }
     out = {}
     for prefix, run in runs.items():
-        if run.magnitudes is not None:
-            out[prefix + "grad_hidden"], out[prefix + "grad_weight"] = run.magnitudes
+        if run is not None:
+            out[prefix + "grad_hidden"], out[prefix + "grad_weight"] = run
     return out
+
+
+@lru_cache(maxsize=16)
+def loss_magnitudes(
+    spec: CaseSpec, grad_loss: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`Reference.magnitudes` (grad_hidden, grad_weight) of the spec's loss under its own upstream
+    gradient, or under the constant ``grad_loss`` when given (None without gradients)."""
+    problem = build(spec)
+    upstream = problem.grad_loss
+    if grad_loss is not None:
+        upstream = torch.full_like(upstream, grad_loss)
+    grad_logprob = loss_upstream_grad(problem.valid, spec.reduction, upstream.double())
+    return _magnitudes(spec, problem, grad_logprob, None)
+
+
+def _magnitudes(
+    spec: CaseSpec,
+    problem: Problem,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return reference(
+        problem.hidden, problem.weight, problem.targets, ignore_index=problem.ignore_index,
+        temperature=effective_temperature(spec), grad_logprob=grad_logprob,
+        grad_entropy=grad_entropy, magnitudes=True,
+    ).magnitudes  # fmt: skip
 
 
 @lru_cache(maxsize=64)

@@ -187,6 +187,16 @@ def test_forward_keeps_tied_max_lanes(dtype):
     check_stats(stats, hidden, weight, targets, 0, 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_counts_max_lanes_on_flat_rows(dtype):
+    """Flat rows (logits within ~1 of each other): every lane's exp is near 1, so the tile's two
+    sums (all lanes, lanes below the max) round differently; the max-lane count taken from their
+    difference must be rounded, not truncated (truncated: lse off by up to 2)."""
+    hidden, weight, targets = make_case(20, 16, 300, 0, dtype, seed=4, spread=0.3)
+    stats = TritonStages(small_config()).forward_stats(hidden, weight, targets, 0, 1.0)
+    check_stats(stats, hidden, weight, targets, 0, 1.0)
+
+
 def test_tf32_option_stays_within_tf32_rounding():
     hidden, weight, targets = make_case(24, 64, 150, 0, torch.float32, seed=10)
     stats = TritonStages(small_config(fp32_precision="tf32")).forward_stats(

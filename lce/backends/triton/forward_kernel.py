@@ -54,7 +54,7 @@ def _online_softmax_step(
     # `acc * inv_temp - max` into one FMA (which leaves the product's rounding residual,
     # ~2^-24 |z|; weighted by p ~ 1 on a confident row it swamped E[z] - max, measured 6e-4
     # relative in the entropy gradient on an H100).
-    tile_max, top_col = tl.max(acc, axis=1, return_indices=True)
+    tile_max = tl.max(acc, axis=1)
     new_max = tl.maximum(row_max, tile_max)
     # Every tile holds >= 1 real column, so new_max is finite for finite logits; the guards
     # keep -inf rows (empty history) from producing inf - inf.
@@ -68,15 +68,20 @@ def _online_softmax_step(
     e = tl.exp2(centred2)
     if MASKED:
         e = tl.where(in_v, e, 0.0)
-    # Non-max terms, never 1 + small: where the tile takes the max (ties included) its argmax
-    # lane (e = 1 exactly) is left out and the running max lane's 1, rescaled, joins the non-max
-    # terms; other lanes at the max add their 1. A tile below the max adds every lane.
+    # Non-max terms, never 1 + small: lanes at the max (e = 1 exactly) are left out of the sum
+    # and counted. Where the tile takes the max (ties included) one of them stays out, the
+    # others add their exact 1 and the running max lane's 1 joins rescaled; a tile below the
+    # max has no lane at it. No index reduction: a max alone is faster than an argmax.
     takes = tile_max >= row_max
-    left_out = cols[None, :] == tl.where(takes, top_col, -1)[:, None]
-    tile_nonmax = tl.sum(tl.where(left_out, 0.0, e), axis=1)
+    tile_nonmax = tl.sum(tl.where(acc == new_max[:, None], 0.0, e), axis=1)
+    # The count from a plain sum (one add per lane, no select): the two sums of BLOCK_V terms in
+    # [0, 1] are each within BLOCK_V^2 * 2^-24 of exact (<= 1/16), so rounding gives it exactly.
+    tl.static_assert(BLOCK_V <= 1024, "the max-lane count needs BLOCK_V <= 1024")
+    max_lanes = tl.floor(tl.sum(e, axis=1) - tile_nonmax + 0.5)
     tile_z = LN2 * tl.sum(e * centred2, axis=1)
     sumexp_z = scale * (sumexp_z + shift * (1.0 + sumexp_nonmax)) + tile_z
-    sumexp_nonmax = scale * sumexp_nonmax + tile_nonmax + tl.where(takes, scale, 0.0)
+    sumexp_nonmax = scale * sumexp_nonmax + tile_nonmax
+    sumexp_nonmax += tl.where(takes, scale + (max_lanes - 1.0), 0.0)
     return new_max, sumexp_nonmax, sumexp_z, target_acc
 
 

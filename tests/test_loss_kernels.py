@@ -52,8 +52,12 @@ def test_row_statistics_match_float64(vocab: int) -> None:
     # in the shard (first, last and inner columns), ignored (-1), and held by another shard
     targets = torch.tensor([vocab_start, vocab_start + vocab - 1, 5 + vocab_start, -1,
                             vocab_start + vocab, 3])  # fmt: skip
-    out = torch.full((4, rows), float("nan"))
-    row_stats_into(logits, targets, vocab_start, TEMPERATURE, out)
+    # Compiled on a CUDA host (the suite's conftest interprets only without one), which needs
+    # device tensors.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.full((4, rows), float("nan"), device=device)
+    row_stats_into(logits.to(device), targets.to(device), vocab_start, TEMPERATURE, out)
+    out = out.cpu()
     ref = _reference(logits, targets, vocab_start)
     assert torch.equal(out[0].double(), ref[0])  # the max of bf16 values, exact
     assert torch.equal(out[3].double(), ref[3])  # one loaded logit, exact

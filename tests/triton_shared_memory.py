@@ -22,7 +22,7 @@ from lce.backends.triton.forward_kernel import _forward_partials_kernel, warp_sp
 HOPPER = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 CONSTEXPRS = ("BLOCK_T", "BLOCK_V", "BLOCK_H", "GROUP", "EVEN_H", "BF16_INTERPRETED", "PRECISION",
-              "USE_TMA", "WARP_SPECIALIZE")  # fmt: skip
+              "USE_TMA", "WARP_SPECIALIZE", "V_DIV16", "C_DIV16")  # fmt: skip
 
 
 def argument_type(name: str, tile: TileShape, dtype: str, tma: bool) -> str:
@@ -50,6 +50,7 @@ def shared_bytes(kernel, tile: TileShape, dtype: torch.dtype, tma: bool) -> int:
         "BLOCK_T": tile.block_t, "BLOCK_V": tile.block_v, "BLOCK_H": tile.block_h,
         "GROUP": tile.group, "EVEN_H": True, "BF16_INTERPRETED": False, "PRECISION": "ieee",
         "USE_TMA": tma, "WARP_SPECIALIZE": warp_specialized(GPU_CONFIG, tma),
+        "V_DIV16": True, "C_DIV16": True,
     }  # fmt: skip
     constexprs = {(names.index(n),): v for n, v in values.items() if n in names}
     options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}

@@ -18,9 +18,17 @@ from lce.backends.triton.operands import operand_args
 from lce.backends.triton.tiles import grouped_tile, logits_tile, logits_tile_tma, round_bf16_rne
 
 
-# Specialized as in forward_kernel._forward_partials_kernel (the d_logits rows stay padded to 16
-# elements, so their stores are vectorized whatever V is).
-@triton.jit
+# Specialized as in forward_kernel._forward_partials_kernel: H, the operands' strides and alignment,
+# d_logits' pointer and row stride (its rows are padded to 16 elements) and C's divisibility by 16
+# alone (C_DIV16: the store mask, which keeps the stores 16 bytes wide). T, the chunk's offset
+# and the per-token rows (one scalar load each) only mask and feed the epilogue.
+@triton.jit(
+    do_not_specialize=["T", "C", "chunk_start"],
+    do_not_specialize_on_alignment=[
+        "targets_ptr", "max_ptr", "log_sumexp_ptr", "centred_mean_ptr", "grad_logprob_ptr",
+        "grad_entropy_ptr", "target_grad_ptr",
+    ],
+)  # fmt: skip
 def _dlogits_kernel(
     hidden,
     weight,
@@ -52,7 +60,10 @@ def _dlogits_kernel(
     BF16_INTERPRETED: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
+    C_DIV16: tl.constexpr,
 ):
+    if C_DIV16:  # as V_DIV16 in the forward
+        C = (C >> 4) << 4
     pid_t, pid_v = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.cdiv(C, BLOCK_V), GROUP)
     offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -110,14 +121,15 @@ def dlogits_chunk(
     ``out`` is ``[T, C]`` with unit column stride; ``rows`` fp32, contiguous but for the two
     upstream gradients (any stride); ``targets`` int64 contiguous.
     """
-    (num_tokens, hidden_size), chunk = hidden.shape, weight_chunk.shape[0]
+    num_tokens, chunk = hidden.shape[0], weight_chunk.shape[0]
     tiles = config.backward.for_dtype(weight_chunk.dtype)
     grid = (triton.cdiv(num_tokens, tiles.block_t) * triton.cdiv(chunk, tiles.block_v),)
     _dlogits_kernel[grid](
         targets_ptr=targets, max_ptr=rows.max, log_sumexp_ptr=rows.log_sumexp,
         centred_mean_ptr=rows.centred_mean, grad_logprob_ptr=rows.grad_logprob,
         grad_entropy_ptr=rows.grad_entropy, target_grad_ptr=rows.target_grad, dlogits_ptr=out,
-        T=num_tokens, C=chunk, H=hidden_size, chunk_start=chunk_start, inv_temp=1.0 / temperature,
+        T=num_tokens, C=chunk, C_DIV16=chunk % 16 == 0,
+        chunk_start=chunk_start, inv_temp=1.0 / temperature,
         stride_glp=rows.grad_logprob.stride(0), stride_gent=rows.grad_entropy.stride(0),
         stride_dt=out.stride(0),
         **operand_args(hidden, weight_chunk, tiles, config.use_tma),

@@ -85,11 +85,19 @@ def _online_softmax_step(
     return new_max, sumexp_nonmax, sumexp_z, target_acc
 
 
-# Triton's default specialization (ints == 1 or divisible by 16, 16-byte aligned pointers) is
-# kept: without it the kernels ran 6-7% slower at llama3-8k on an H200 (mean loss 58.6/57.9 vs
-# 54.4/54.6 ms, forward 13.7/14.2 vs 12.7/13.7, interleaved runs). A GPU campaign pays for it
-# in compiles per new shape class (`verify.running.compile_warmup` warms the common ones).
-@triton.jit
+# Triton compiles once per combination of each int argument's class (== 1, divisible by 16, other)
+# and each pointer's 16-byte alignment: a GPU campaign's small shapes meet every class. Kept where
+# the machine code needs it: H and the operands' strides and alignment (the matmul's pointer
+# loads), tiles_per_split (1 on the GPU config; a runtime count spilled registers and cost 2.7% of
+# the forward at llama3-8k on an H200) and V's divisibility by 16 alone (V_DIV16: V sizes the
+# masked last tile). T, the offsets, the split and program counts and the targets' alignment only
+# bound the item loop, offset the targets or address the per-token epilogue: unspecialized, the
+# sm_90 code at production shapes is identical or a few instructions longer and no slower
+# (benchmarks/specialization_codegen.py, docs/NIGHTLY.md). Fully unspecialized: 6-7% slower.
+@triton.jit(
+    do_not_specialize=["T", "V", "vocab_start", "num_splits", "num_programs", "plane"],
+    do_not_specialize_on_alignment=["targets_ptr"],
+)  # fmt: skip
 def _forward_partials_kernel(
     hidden,
     weight,
@@ -117,7 +125,10 @@ def _forward_partials_kernel(
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    V_DIV16: tl.constexpr,
 ):
+    if V_DIV16:  # the shifts tell the compiler what the launcher knows (a no-op on V's value)
+        V = (V >> 4) << 4
     num_token_tiles = tl.cdiv(T, BLOCK_T)
     # Persistent when launched with fewer programs than items: each program walks the (token
     # tile, split) items; warp-specialized, its loads for the next item overlap this epilogue.
@@ -176,7 +187,7 @@ def _forward_partials_kernel(
         tl.store(out, target_acc, mask=in_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # a loop count; T and plane align the loads
 def _merge_partials_kernel(
     partials_ptr, out_ptr, T, num_splits, plane, inv_temp, BLOCK: tl.constexpr
 ):
@@ -246,7 +257,7 @@ def forward_partials(
     config: TritonConfig,
 ) -> torch.Tensor:
     """fp32 ``[4, splits, T]`` partial statistics (`ShardStats` order); needs T, V >= 1."""
-    (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
+    num_tokens, vocab_local = hidden.shape[0], weight.shape[0]
     tiles = config.forward.for_dtype(weight.dtype)
     num_vocab_tiles = triton.cdiv(vocab_local, tiles.block_v)
     tiles_per_split = min(config.tiles_per_program, num_vocab_tiles)
@@ -261,7 +272,7 @@ def forward_partials(
     operands = operand_args(hidden, weight, tiles, config.use_tma)
     _forward_partials_kernel[(programs,)](
         targets_ptr=targets, partials_ptr=partials,
-        T=num_tokens, V=vocab_local, H=hidden_size, vocab_start=vocab_start,
+        T=num_tokens, V=vocab_local, V_DIV16=vocab_local % 16 == 0, vocab_start=vocab_start,
         inv_temp=1.0 / temperature, num_splits=num_splits, tiles_per_split=tiles_per_split,
         num_programs=programs, plane=num_splits * num_tokens, **operands,
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,

@@ -47,7 +47,12 @@ def _lane_stats_step(acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, in_v, MAS
     return tl.maximum(lane_max, acc), lane_nonmax, lane_sum_z
 
 
-@triton.jit
+# The logits rows' pointer, stride and V stay specialized (the sweep's vector loads and masks); the
+# vocabulary offset, the stats plane and the per-row pointers (one scalar access each) are not.
+@triton.jit(
+    do_not_specialize=["plane", "vocab_start"],
+    do_not_specialize_on_alignment=["targets_ptr", "stats_ptr"],
+)  # fmt: skip
 def _row_stats_kernel(
     logits_ptr,
     targets_ptr,
@@ -127,7 +132,12 @@ def row_stats_into(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(  # as `_row_stats_kernel`
+    do_not_specialize=["vocab_start"],
+    do_not_specialize_on_alignment=[
+        "targets_ptr", "max_ptr", "log_sumexp_ptr", "coef_ptr", "target_grad_ptr",
+    ],
+)  # fmt: skip
 def _row_dlogits_kernel(
     logits_ptr,
     out_ptr,

@@ -18,13 +18,22 @@ def _tma_ok(tensor: torch.Tensor) -> bool:
 def operand_args(
     hidden: torch.Tensor, weight: torch.Tensor, tiles: TileShape, use_tma: bool
 ) -> dict[str, object]:
-    """Keyword arguments shared by both kernels: the two operands and how to load them."""
+    """Keyword arguments shared by both kernels: the two operands, H, and how to load them.
+
+    Under TMA the kernels read no stride and take only H's number of K tiles (the descriptors
+    carry the layout and read zeros past H): the strides go as 0 and H rounded up to the K tile,
+    so every TMA layout and H with that tile count share one compiled specialization (Triton
+    keys a compile on each int's class: == 1, divisible by 16, other).
+    """
     tma = use_tma and _tma_ok(hidden) and _tma_ok(weight)
+    hidden_size = hidden.shape[1]
+    strides = (*hidden.stride(), *weight.stride())
+    if tma:
+        hidden_size = -(-hidden_size // tiles.block_h) * tiles.block_h
+        strides = (0, 1, 0, 1)
     args: dict[str, object] = {
-        "stride_ht": hidden.stride(0),
-        "stride_hh": hidden.stride(1),
-        "stride_wv": weight.stride(0),
-        "stride_wh": weight.stride(1),
+        "H": hidden_size,
+        **dict(zip(("stride_ht", "stride_hh", "stride_wv", "stride_wh"), strides, strict=True)),
         "USE_TMA": tma,
         # Read by the pointer loads only: fixed under TMA, so H does not pick another compile.
         "EVEN_H": tma or hidden.shape[1] % tiles.block_h == 0,

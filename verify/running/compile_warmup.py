@@ -5,9 +5,10 @@ A compiled kernel lands in Triton's on-disk cache, which every process of this u
 worker that meets the same specialization later loads it instead of compiling it (seconds each on
 an H200, on the search's critical path). One small case per weight dtype x (aligned contiguous,
 transposed, odd H) compiles the kernels' common classes (dtype, TMA or pointer loads, whether H
-fills the tiles). The kernels are also specialized on every int argument's value class (== 1,
-divisible by 16, other) and on pointer alignment, so a search meets many more (about 750
-specializations in its first 1,100 examples, counted offline; docs/NIGHTLY.md): those compile as
+fills the tiles). The kernels are also specialized on the pointer loads' operand alignment, strides
+and H's value class (== 1, divisible by 16, other), on V's and the d_logits chunk's divisibility
+by 16 and on the merge's T, so a search meets more (168 compile keys in its first 1,100
+examples, counted offline, 19 of them warmed here; docs/NIGHTLY.md): those compile as
 they are met, once per host, while the concurrent searches (`concurrent_searches`) go on. The
 search does not wait: it starts with the status examples.
 """

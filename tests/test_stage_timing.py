@@ -3,6 +3,13 @@ and the build cache that the split showed was worth having."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from verify.cases.build import build
@@ -12,6 +19,8 @@ from verify.properties import expected as expected_module
 from verify.results import report
 from verify.running import stage_timing
 from verify.running.stage_timing import STAGES, StageClock
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_nested_stages_are_exclusive_and_add_up_to_the_wall_time():
@@ -99,3 +108,53 @@ def test_r_and_b_computed_ahead_in_a_thread_are_the_ones_computed_inline():
         assert torch.equal(ahead.ref[name], inline.ref[name]), name
         assert torch.equal(ahead.base[name], inline.base[name]), name
     assert not Runner().offloads(spec)  # in this process: nothing to overlap with
+
+
+# A kernel compiled for sm_90 (no GPU needed), then its first-launch set-up called as a launch
+# would: without a GPU the set-up raises, and its time must still land in ``load``; a second
+# call on a kernel already set up (module present) is not a load.
+_FIRST_LAUNCH = """
+import json, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from verify.running import stage_timing
+
+@triton.jit
+def _copy(src, dst):
+    tl.store(dst, tl.load(src))
+
+stage_timing.watch_triton_compiles()
+source = ASTSource(_copy, {"src": "*fp32", "dst": "*fp32"}, {})
+kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+with stage_timing.recording() as clock:
+    with stage_timing.stage("kernel"):
+        try:
+            kernel._init_handles()
+        except Exception:  # no GPU here: the set-up's time is what this checks
+            pass
+    first = clock.take()["seconds"]
+    kernel.module = object()  # as after a set-up
+    with stage_timing.stage("kernel"):
+        kernel._init_handles()
+    second = clock.take()["seconds"]
+print(json.dumps([first, second]))
+"""
+
+
+def test_a_kernels_first_launch_set_up_is_timed_as_load(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    script = tmp_path / "first_launch.py"  # Triton reads a kernel's source from its file
+    script.write_text(_FIRST_LAUNCH)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    if done.returncode != 0 and "ptxas" in done.stderr:
+        pytest.skip(f"triton cannot compile for sm_90 here: {done.stderr.strip()[-300:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = json.loads(done.stdout.strip().splitlines()[-1])
+    assert first["load"] > 0 and set(first) == {"kernel", "load"}
+    assert "load" not in second

@@ -5,7 +5,8 @@ Code marks its stages with ``with stage("reference"):``; the seconds go to the *
 back with the job's result and are added on the driver with `add`). A stage's time excludes the
 stages nested in it, so the stages of one example add up to its wall time without double counts.
 Triton compiles are timed through Triton's JIT hooks (`watch_triton_compiles`) as ``compile``,
-carved out of whatever stage launched the kernel.
+and the first launch of a compiled kernel in a process (its launcher built or loaded, its module
+loaded onto the device) as ``load``, each carved out of whatever stage launched the kernel.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 # The stages, in the order the report lists them (see docs/report-format.md):
 STAGES = (
     "compile",  # Triton JIT compiles (or loads from its disk cache) of new specializations
-    "kernel",  # lce forward and backward on the device, compiles excluded
+    "load",  # a specialization's first launch in a process: its launcher and module set up
+    "kernel",  # lce forward and backward on the device, compiles and loads excluded
     "transfer",  # host <-> device copies of inputs and results
     "build",  # the case's inputs drawn from the spec (CPU)
     "reference",  # the float64 reference R (CPU)
@@ -110,13 +113,17 @@ def recording() -> Iterator[StageClock]:
 
 
 def watch_triton_compiles() -> None:
-    """Time Triton's compiles as the ``compile`` stage (idempotent; no-op without the hooks).
+    """Time Triton's compiles as the ``compile`` stage and first launches as ``load``
+    (idempotent; no-op without the hooks).
 
     Triton calls ``jit_cache_hook`` before it compiles a new specialization and
-    ``jit_post_compile_hook`` after; launches of already compiled kernels call neither.
+    ``jit_post_compile_hook`` after; launches of already compiled kernels call neither. A compiled
+    kernel sets itself up on its first launch (``CompiledKernel._init_handles``: the launcher,
+    the module on the device), which no hook brackets: it is wrapped here.
     """
     try:
         from triton import knobs
+        from triton.compiler.compiler import CompiledKernel
     except ImportError:  # no Triton (or one without knobs): nothing is compiled to time
         return
     runtime = knobs.runtime
@@ -124,6 +131,20 @@ def watch_triton_compiles() -> None:
         return
     runtime.jit_cache_hook = _compiling
     runtime.jit_post_compile_hook = _compiled
+    set_up = getattr(CompiledKernel, "_init_handles", None)
+    if set_up is not None:
+        CompiledKernel._init_handles = _timed_set_up(set_up)
+
+
+def _timed_set_up(set_up: Callable[[Any], None]) -> Callable[[Any], None]:
+    def timed(kernel: Any) -> None:
+        if getattr(kernel, "module", None) is not None:  # set up already: returns at once
+            set_up(kernel)
+            return
+        with stage("load"):
+            set_up(kernel)
+
+    return timed
 
 
 _compile_began = threading.local()

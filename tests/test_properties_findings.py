@@ -256,3 +256,48 @@ def test_tied_untied_fp16_subnormal_gradients_within_their_rounding_steps() -> N
     ref = expected(normal).ref
     for verdict in check_case(normal, properties=["tied_untied"]):
         assert verdict.passed and verdict.allowed < 0.01 * float(ref[verdict.output].norm())
+
+
+# Found by a CPU nightly-profile campaign (torch backend, 60 s, seed 1): a mean fp16 loss over 44
+# peaked V=2 rows, so d_logits ~ 1e-6 lies below fp16's smallest normal (6e-5).
+FP16_SUBNORMAL_D_LOGITS = CaseSpec(
+    batch=2, tokens=22, hidden_size=8, vocab=2, hidden_dtype="fp16", weight_dtype="fp16",
+    regime="peaked", reduction="mean", chunk_size=1, upstream="random", seed=0,
+)  # fmt: skip
+
+
+def test_fp16_gradients_within_their_subnormal_d_logits_rounding() -> None:
+    # A false alarm on clean code: each d_logits element rounded to fp16 for the gradient GEMM
+    # errs by up to half a subnormal step (3e-8, 3% of d) where no relative term reaches, so
+    # loss_grad_weight was off by 1.08e-5 normwise against an envelope of 1.02e-5 (1.06x; the
+    # largest element 3.1x its logit term alone). The bound now grants s/2 sum_t |h| per element
+    # (verify.properties.expected.gradient_subnormal_bounds): 0.42x.
+    verdicts = check_case(FP16_SUBNORMAL_D_LOGITS, properties=["differential"])
+    failed = [v.line() for v in verdicts if v.failed]
+    assert not failed, "\n".join(failed)
+
+
+def test_fp16_subnormal_bound_still_fails_flushed_d_logits() -> None:
+    # What the subnormal term must not grant: a kernel that flushes d_logits below fp16's
+    # smallest normal to zero (FTZ) before its gradient GEMM loses up to 6e-5 per term, not 3e-8:
+    # here the whole gradient (26x the bound).
+    from verify.numerics.tolerances import load
+    from verify.properties.expected import expected
+    from verify.properties.verdict import tolerance_check
+
+    spec = FP16_SUBNORMAL_D_LOGITS
+    exp = expected(spec)
+    problem = exp.problem
+    hidden = problem.hidden.to(torch.float64)
+    logits = hidden @ problem.weight.to(torch.float64).T
+    valid = problem.valid
+    # The mean loss's d_logits in float64, then flushed where fp16 would hold a subnormal.
+    d = torch.softmax(logits, dim=-1)
+    d[valid, problem.targets[valid]] -= 1.0
+    d = d * (problem.grad_loss.double() * valid / valid.sum())[:, None]  # mean, 0-d upstream
+    flushed = torch.where(d.abs() < torch.finfo(torch.float16).smallest_normal, 0.0, d)
+    planted = (flushed.T @ hidden).to(torch.float16)
+    tol = load().get("fp16", "grad_weight")
+    ref, base = exp.ref["loss_grad_weight"], exp.base["loss_grad_weight"]
+    verdict = tolerance_check("differential", spec, "loss_grad_weight", planted, ref, base, tol)
+    assert verdict.failed and verdict.ratio > 10, verdict.line()

@@ -17,6 +17,7 @@ import torch
 from verify.cases.build import TIE_SCALE, Problem, build
 from verify.cases.rank_inputs import effective_temperature
 from verify.cases.spec import CaseSpec
+from verify.numerics.compare import half_subnormal
 from verify.numerics.reference import (
     Reference,
     baseline,
@@ -189,6 +190,31 @@ def logit_scales(spec: CaseSpec, dot_rounding: bool = False) -> dict[str, torch.
         out[prefix + "grad_hidden"] = top * hidden_size
         out[prefix + "grad_weight"] = top * weight_size
     return out
+
+
+@lru_cache(maxsize=64)
+def gradient_subnormal_bounds(spec: CaseSpec) -> dict[str, torch.Tensor]:
+    """Per gradient output, the absolute error its GEMMs' d_logits input may carry when rounded
+    to the matmul's dtype (weight's): each element is off by up to ``u |d| + s/2`` (s the smallest
+    subnormal). The relative part is in `logit_scales`; this is the absolute part, which no
+    relative term covers: a mean loss over 44 peaked fp16 rows has d ~ 1e-6, below fp16's
+    smallest normal (6e-5), where a rounding errs by up to 3e-8, 3% of d. So ``grad_weight[v, h]``
+    may be off by ``s/2 sum_t |h[t, h]|`` and ``grad_hidden[t, h]`` by ``s/2 sum_v |w[v, h]|``,
+    over valid rows (an ignored row's d is exactly 0). Negligible (< 1e-40) but for fp16."""
+    problem = build(spec)
+    half_step = half_subnormal(problem.weight.dtype)
+    valid = problem.valid[:, None].to(torch.float64)
+    hidden = problem.hidden.to(problem.weight.dtype).to(torch.float64)
+    weight = problem.weight.to(torch.float64)
+    per_hidden = half_step * valid * weight.abs().sum(0)  # [N, H]
+    per_weight = (half_step * (valid * hidden.abs()).sum(0)).expand_as(weight)  # [V, H]
+    if spec.tied and spec.transform != "untie":
+        embed = torch.zeros_like(weight).index_add_(0, problem.embed_ids, per_hidden)
+        per_weight = per_weight + TIE_SCALE * embed
+    bounds = {}
+    for prefix in ("", "loss_"):
+        bounds[prefix + "grad_hidden"], bounds[prefix + "grad_weight"] = per_hidden, per_weight
+    return bounds
 
 
 def _loss_upstream(spec: CaseSpec, problem: Problem) -> torch.Tensor:

@@ -58,9 +58,10 @@ def test_fp16_partials_summed_across_ranks_may_lose_a_subnormal_step_each() -> N
     spacing is the smallest subnormal (6e-8) whatever the magnitude of the whole; B rounds once.
     Each rounding may lose half a step (3e-8), which no relative term grants (1.14x before)."""
     gen = torch.Generator().manual_seed(0)
-    # Below fp16's smallest normal (6.1e-5), where every rounding is absolute: B's too.
-    ref = torch.randn(64, 8, generator=gen, dtype=torch.float64) * 1e-5
-    shares = torch.randn(4, 64, 8, generator=gen, dtype=torch.float64) * 1e-5
+    # Below fp16's smallest normal (6.1e-5), where every rounding is absolute: B's too; ~2e-6, so
+    # that the floor (u max|R| ~ 3e-9) does not cover the half steps (3e-8) itself.
+    ref = torch.randn(64, 8, generator=gen, dtype=torch.float64) * 2e-6
+    shares = torch.randn(4, 64, 8, generator=gen, dtype=torch.float64) * 2e-6
     shares[-1] = ref - shares[:-1].sum(0)  # partials that cancel to ref, as ranks' do
     kernel = sum(_fp16(share) for share in shares).half()  # returned in fp16, like the ranks' sum
     base = _fp16(ref)

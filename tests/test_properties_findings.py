@@ -301,3 +301,18 @@ def test_fp16_subnormal_bound_still_fails_flushed_d_logits() -> None:
     ref, base = exp.ref["loss_grad_weight"], exp.base["loss_grad_weight"]
     verdict = tolerance_check("differential", spec, "loss_grad_weight", planted, ref, base, tol)
     assert verdict.failed and verdict.ratio > 10, verdict.line()
+
+
+def test_baseline_shares_the_operands_storage() -> None:
+    # A false alarm on clean code, found by the H200 campaign (its 3-GEMM loss path; the torch
+    # backend alike): fp32, one valid token at |z| ~ 38, weight stored transposed. The CPU BLAS
+    # sums that storage's dots in another order than a contiguous weight's: each logit off by
+    # 4.8e-6 against B's 9.6e-7, so the log-prob was 1.13x the ratio tier (2|B - R| + 2u|z|).
+    # B now multiplies the operands stored as the implementation gets them: 0.40x.
+    spec = CaseSpec(
+        tokens=2, hidden_size=16, vocab=2, regime="offset", offset=10.0, scale=3.0,
+        temperature=0.5, tied=True, layout="transposed", ignore="chunk", target="edges",
+        reduction="sum", upstream="random", seed=3,
+    )  # fmt: skip
+    failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
+    assert not failed, "\n".join(failed)

@@ -97,6 +97,13 @@ def rank_inputs(spec: CaseSpec, problem: Problem, tp_rank: int) -> RankInputs:
     )  # fmt: skip
 
 
+def operand_layouts(spec: CaseSpec) -> tuple[str, str]:
+    """How `rank_inputs` stores the hidden and weight an implementation multiplies: a tied run's
+    hidden (base + embedding, formed in the run) and an untied rerun's are contiguous."""
+    tied = spec.tied or spec.transform == "untie"
+    return ("contiguous" if tied else spec.layout), spec.layout
+
+
 def effective_temperature(spec: CaseSpec) -> float:
     """The temperature passed to the implementation: 1 when the transform folded it into hidden."""
     return 1.0 if spec.transform == "fold_temperature" else spec.temperature

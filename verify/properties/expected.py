@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 
 from verify.cases.build import TIE_SCALE, Problem, build
-from verify.cases.rank_inputs import effective_temperature
+from verify.cases.rank_inputs import effective_temperature, operand_layouts
 from verify.cases.spec import CaseSpec
 from verify.numerics.compare import half_subnormal
 from verify.numerics.reference import (
@@ -62,6 +62,8 @@ def _expected(spec: CaseSpec) -> Expected:
     for fn, out, name in ((reference, ref, "reference"), (baseline, base, "baseline")):
         args = (problem.hidden, problem.weight, problem.targets)
         kw = {"ignore_index": problem.ignore_index, "temperature": effective_temperature(spec)}
+        if fn is baseline:
+            kw["layouts"] = operand_layouts(spec)
         with stage_timing.stage(name):
             tokens = fn(
                 *args, grad_logprob=problem.grad_logprob, grad_entropy=problem.grad_entropy, **kw

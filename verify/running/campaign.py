@@ -10,8 +10,10 @@ the pool is rebuilt for the next slice. The report (JSON, Markdown, PNG) goes to
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import itertools
 import math
+import os
 import secrets
 import signal
 import sys
@@ -222,10 +224,17 @@ def run_campaign(
                         config, backend, tp, tally, progress, count=count, seed_stride=1 + RESTARTS
                     )
                 search.deadlines = (time.monotonic() + share, deadline)
-                search.run(pool, with_status=backend == config.backends[0])
-                if stop_requested():  # the interrupt was swallowed on its way up
-                    raise KeyboardInterrupt(received.name)
-                exhausted |= search.status == "budget"
+                try:
+                    search.run(pool, with_status=backend == config.backends[0])
+                    if stop_requested():  # the interrupt was swallowed on its way up
+                        raise KeyboardInterrupt(received.name)
+                except KeyboardInterrupt:
+                    if not overrun_stopped():
+                        raise
+                    search.status = "overrun"  # the search's own watchdog stopped it
+                    search.save_unsaved()
+                    tally.add_error(f"{backend} TP={tp}", overrun_error())
+                exhausted |= search.status in ("budget", "overrun")
                 saved.extend(search.artifacts)
                 tally.slices.append(search.row())
                 search = None
@@ -247,6 +256,12 @@ def run_campaign(
     return CampaignResult(document["passed"], document, paths, saved, interrupted)
 
 
+# How long past the campaign's deadline a search may still run (an example or a shrink step in
+# flight; on CUDA one example is under a second) before its watchdog stops it like SIGTERM would:
+# its unsaved failure saved unshrunk, the slice's status "overrun", an infrastructure error.
+OVERRUN_GRACE_S = 30.0
+
+
 class _Received:
     """Which stop signal arrived (``SIGINT`` unless `stop_signals` saw another)."""
 
@@ -259,11 +274,62 @@ class _Received:
 # callback of Hypothesis: "Exception ignored in ... gc_callback" and the campaign ran on, seen in
 # the next). Searches check it between examples and after they end.
 _stop_arrived = threading.Event()
+# Set by `overrun_watch` when it stops the search: that stop is the budget's, not an operator's.
+_overran = threading.Event()
+# Whether `stop_signals` handlers are installed now (a watchdog only signals through them).
+_handlers_installed = threading.Event()
 
 
 def stop_requested() -> bool:
     """A stop signal arrived in the `stop_signals` block now running."""
     return _stop_arrived.is_set()
+
+
+def overrun_error() -> str:
+    """The infrastructure error of a slice whose search overran the budget."""
+    return (
+        f"a search still ran {OVERRUN_GRACE_S:g} s past the budget and was stopped (a failure "
+        "it had found is saved, unshrunk)"
+    )
+
+
+def overrun_stopped() -> bool:
+    """The stop now in progress is `overrun_watch`'s (the search overran the budget), and it is
+    taken: stop signals work again, for the next one."""
+    if not _overran.is_set():
+        return False
+    _overran.clear()
+    _stop_arrived.clear()
+    return True
+
+
+@contextlib.contextmanager
+def overrun_watch(deadline: float) -> Iterator[None]:
+    """Stop the block (KeyboardInterrupt, through `stop_signals`' handler) if it still runs
+    `OVERRUN_GRACE_S` past ``deadline`` (``time.monotonic()``): wherever it is, inside an example
+    or in Hypothesis between examples (shrinking, rejected draws), where `run_property`'s own
+    deadline check never runs. A real signal, so a blocking call is woken too; the process's
+    stacks go to stderr first. Nothing happens outside a `stop_signals` block of the main
+    thread."""
+    if not math.isfinite(deadline) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    main = threading.main_thread().ident
+
+    def stop() -> None:
+        if _handlers_installed.is_set() and not _stop_arrived.is_set():
+            print(f"search process {os.getpid()} overran the budget; its stacks:", file=sys.stderr)
+            faulthandler.dump_traceback(sys.stderr)  # where it was: the next fix's evidence
+            _overran.set()
+            signal.pthread_kill(main, signal.SIGTERM)
+
+    timer = threading.Timer(max(0.0, deadline + OVERRUN_GRACE_S - time.monotonic()), stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @contextlib.contextmanager
@@ -278,8 +344,10 @@ def stop_signals() -> Iterator[_Received]:
         return
 
     def stop(signum: int, frame: Any) -> None:
-        received.name = signal.Signals(signum).name
         _stop_arrived.set()
+        if _overran.is_set():  # the budget's watchdog: operators' signals still stop the run
+            raise KeyboardInterrupt("overrun")
+        received.name = signal.Signals(signum).name
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt(received.name)
@@ -292,13 +360,17 @@ def stop_signals() -> Iterator[_Received]:
             unraisable_hook(unraisable)
 
     _stop_arrived.clear()
+    _overran.clear()
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     sys.unraisablehook = quiet_stop
+    _handlers_installed.set()
     try:
         yield received
     finally:
+        _handlers_installed.clear()
         sys.unraisablehook = unraisable_hook
         _stop_arrived.clear()
+        _overran.clear()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -363,17 +435,18 @@ class _Slice:
             searches.append((valid, specs))
         began = time.monotonic()
         try:
-            for names, strategy in searches:
-                self.names_now = names
+            with overrun_watch(self.deadlines[1]):
+                for names, strategy in searches:
+                    self.names_now = names
 
-                def again(seed: int | None, names=names, strategy=strategy) -> bool:
-                    found = self._search(names, strategy.map(self._draw), runner, seed)
-                    in_time = time.monotonic() <= self.deadlines[0]
-                    return found and self.status == "done" and in_time
+                    def again(seed: int | None, names=names, strategy=strategy) -> bool:
+                        found = self._search(names, strategy.map(self._draw), runner, seed)
+                        in_time = time.monotonic() <= self.deadlines[0]
+                        return found and self.status == "done" and in_time
 
-                search_rounds(itertools.islice(seeds(self.config.seed), 1 + RESTARTS), again)
-                if self.status != "done":
-                    break
+                    search_rounds(itertools.islice(seeds(self.config.seed), 1 + RESTARTS), again)
+                    if self.status != "done":
+                        break
         finally:
             self.seconds = time.monotonic() - began
 

@@ -30,6 +30,8 @@ from typing import Any
 # shrink step in flight), before it is killed.
 STOP_GRACE_S = 30.0
 # How long the search processes get to exit once the slice is over.
+# The campaign's backstop: a search still without its "done" this long after the budget's deadline
+# plus `campaign.OVERRUN_GRACE_S` (when its own watchdog should have stopped it) is killed.
 EXIT_S = 10.0
 # A search process found dead without its "done" message is given this long for messages still in
 # the queue's pipe before it counts as died.
@@ -124,10 +126,14 @@ class ConcurrentSlice:
             )  # fmt: skip
             processes.append(context.Process(target=_search, args=(order, events)))
         began = time.monotonic()
+        from verify.running import campaign
+
         try:
             for process in processes:
                 process.start()
-            self._collect(processes, events)
+            late = self.deadlines[1] + campaign.OVERRUN_GRACE_S + STOP_GRACE_S
+            self._collect(processes, events, until=late)
+            self._kill_late(processes)
         except KeyboardInterrupt:  # stop the searches; each saves what it found, then reports
             for process in processes:
                 if process.pid is not None and process.is_alive():
@@ -165,12 +171,28 @@ class ConcurrentSlice:
             if target == "done":
                 pending.discard(self._done(*args))
             else:
+                if target == "tally" and method == "add_example":  # counted as they arrive:
+                    self.examples += 1  # a search killed before its "done" still counts
                 getattr(self.tally if target == "tally" else self.progress, method)(*args, **kwargs)
 
-    def _done(self, index: int, status: str, examples: int, artifacts: list[str]) -> int:
+    def _kill_late(self, processes: list[Any]) -> None:
+        """Kill the searches that have not reported by now (past the budget and its graces):
+        each is an overrun, its unsaved failure lost (its watchdog's stop did not save it)."""
+        for index, process in enumerate(processes):
+            if index in self._ended:
+                continue
+            if process.pid is not None and process.is_alive():
+                process.kill()
+            self.tally.add_error(
+                f"{self.backend} TP={self.tp}",
+                f"search {index} of {self.count} still ran past the budget and its stop's grace: "
+                "killed (its examples counted; a failure it had not saved is lost)",
+            )
+            self._done(index, "overrun", [])
+
+    def _done(self, index: int, status: str, artifacts: list[str]) -> int:
         self._ended.add(index)
         self._statuses.append(status)
-        self.examples += examples
         self.artifacts.extend(Path(path) for path in artifacts)
         return index
 
@@ -179,12 +201,12 @@ class ConcurrentSlice:
             f"{self.backend} TP={self.tp}",
             f"search {index} of {self.count} ended without reporting (exit code {exitcode})",
         )
-        self._done(index, "infrastructure error", 0, [])
+        self._done(index, "infrastructure error", [])
 
 
 def _merged_status(statuses: list[str]) -> str:
     """The slice's status: the most serious of its searches'."""
-    for status in ("interrupted", "infrastructure error", "budget"):
+    for status in ("interrupted", "overrun", "infrastructure error", "budget"):
         if status in statuses:
             return status
     return "done"
@@ -195,29 +217,31 @@ def _search(order: _Order, events: Any) -> None:
     import torch
 
     from verify.distributed import WorkerPool, needs_pool
-    from verify.running.campaign import _Slice, stop_signals
+    from verify.running.campaign import _Slice, overrun_error, overrun_stopped, stop_signals
 
     torch.set_num_threads(order.threads)
     tally = _Forward(events, "tally")
     search = _Slice(order.config, order.backend, order.tp, tally, _Forward(events, "progress"))
     search.deadlines = order.deadlines
-    pool = None
+    where, pool = f"{order.backend} TP={order.tp}", None
     with stop_signals():
         try:
             if needs_pool(order.tp, order.config.device):
                 device, threads = order.config.device, order.threads
                 pool = WorkerPool(world_size=order.tp, device=device, threads_per_worker=threads)
             search.run(pool, with_status=order.with_status)
-        except KeyboardInterrupt:
-            search.status = "interrupted"
+        except KeyboardInterrupt:  # SIGTERM from the campaign, or its own overrun watchdog
+            search.status = "overrun" if overrun_stopped() else "interrupted"
             search.save_unsaved()
         except Exception as exc:  # the search could not go on: an infrastructure error
             last = traceback.format_exception_only(exc)[-1].strip()
-            tally.add_error(f"{order.backend} TP={order.tp}", f"search {order.index}: {last}")
+            tally.add_error(where, f"search {order.index}: {last}")
             search.status = "infrastructure error"
         finally:
             if pool is not None:
                 with contextlib.suppress(Exception):
                     pool.close()
             paths = [str(path) for path in search.artifacts]
-            events.put(("done", "", ((order.index, search.status, search.examples, paths), {})))
+            if search.status == "overrun":
+                tally.add_error(where, f"search {order.index}: {overrun_error()}")
+            events.put(("done", "", ((order.index, search.status, paths), {})))

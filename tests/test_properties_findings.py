@@ -316,3 +316,99 @@ def test_baseline_shares_the_operands_storage() -> None:
     )  # fmt: skip
     failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
     assert not failed, "\n".join(failed)
+
+
+# Found by the GPU nightly of 2026-11-24 (Triton, one H200; replayed bit for bit on the CPU):
+# upstream_linearity failed clean lce at 1.01-1.21x (docs/results/nightly/2026-11-24-h200-s3).
+LINEARITY_BF16 = CaseSpec(
+    hidden_size=5, vocab=7, hidden_dtype="bf16", weight_dtype="bf16", target="edges",
+    regime="peaked", scale=0.3, upstream="zero_row0", chunk_size=1, backend="triton", seed=4,
+)  # fmt: skip
+LINEARITY_FP16_MEAN = CaseSpec(
+    tokens=17, vocab=2, batch=2, hidden_dtype="fp16", weight_dtype="fp16", ignore="first",
+    regime="peaked", chunk_size=1, backend="triton",
+)  # fmt: skip
+LINEARITY_TIED = CaseSpec(
+    tokens=20, vocab=2, batch=1, hidden_dtype="fp16", weight_dtype="fp16", ignore="first",
+    target="high", regime="peaked", scale=0.3, tied=True, layout="transposed", chunk_size=1,
+    backend="triton", seed=1,
+)  # fmt: skip
+LINEARITY_H2 = CaseSpec(
+    tokens=23, hidden_size=2, vocab=2, batch=2, hidden_dtype="fp16", weight_dtype="fp16",
+    target="high", regime="peaked", scale=0.3, chunk_size=1, backend="triton", ignore_index=-1,
+)  # fmt: skip
+LINEARITY_CASES = {
+    "bf16": LINEARITY_BF16,  # grad_weight 1.01x: bf16 d_logits ~ 0.1 rounded at u = 2^-8
+    "fp16-mean": LINEARITY_FP16_MEAN,  # loss_grad_weight 1.20x: d ~ 1e-6, subnormal in fp16
+    "fp16-tied": LINEARITY_TIED,  # loss_grad_weight 1.21x
+    "fp16-h2": LINEARITY_H2,  # loss_grad_weight 1.15x
+}
+
+
+@pytest.mark.parametrize("spec", LINEARITY_CASES.values(), ids=LINEARITY_CASES.keys())
+def test_upstream_linearity_grants_each_runs_d_logits_rounding(spec) -> None:
+    # A false alarm on clean code: the three runs share their logits but each rounds its own
+    # d_logits to the GEMM's dtype (u |d| + s/2 per term), which does not cancel in the residual.
+    # A float64 model rounding only d_logits and the gradients (once each) failed as lce did, bit
+    # for bit on three of the four; the bound now grants that rounding (0.15-0.39x).
+    verdicts = check_case(spec, properties=["upstream_linearity"])
+    failed = [v.line() for v in verdicts if v.failed]
+    assert len(verdicts) == 4 and not failed, "\n".join(failed)
+
+
+def _linearity_with_d_logits(spec: CaseSpec, name: str, rounding) -> float:
+    """`linearity_check`'s ratio for a float64 model of the (untied) gradient ``name`` whose
+    d_logits pass through ``rounding`` before exact GEMMs; outputs rounded once to their dtype."""
+    from verify.cases.build import build
+    from verify.numerics.reference import loss_upstream_grad
+    from verify.properties.metamorphic import LINEARITY_RUNS, linearity_check
+
+    assert not spec.tied and spec.temperature == 1.0
+    outputs = []
+    for transform in LINEARITY_RUNS:
+        problem = build(spec.with_(transform=transform))
+        hidden = problem.hidden.to(problem.weight.dtype).double()
+        weight = problem.weight.double()
+        log_p = torch.log_softmax(hidden @ weight.T, dim=-1)
+        p, valid = log_p.exp(), problem.valid
+        entropy = -(p * log_p).sum(-1, keepdim=True)
+        onehot = torch.zeros_like(p)
+        onehot[valid, problem.targets[valid]] = 1.0
+        if name.startswith("loss_"):
+            g_lp = loss_upstream_grad(valid, spec.reduction, problem.grad_loss.double())
+            g_ent = torch.zeros_like(g_lp)
+        else:
+            g_lp, g_ent = problem.grad_logprob.double(), problem.grad_entropy.double()
+        g_lp, g_ent = (torch.where(valid, g, 0.0)[:, None] for g in (g_lp, g_ent))
+        d = rounding(g_lp * (onehot - p) - g_ent * p * (log_p + entropy))
+        gradient = d.T @ hidden if name.endswith("weight") else d @ weight
+        outputs.append(gradient.to(problem.weight.dtype))
+    return linearity_check(spec, name, *outputs).ratio
+
+
+def test_upstream_linearity_bound_still_fails_coarser_d_logits() -> None:
+    # What the d_logits term must not grant: rounding d_logits coarser than the GEMM's dtype. A
+    # correct rounding stays inside (the first two asserts: 0.24x and 0.37x); bf16 d_logits cut
+    # to 5 significant bits (8x bf16's u) fail 1.44x; fp16 subnormal d_logits on a grid of 4
+    # subnormal steps (4x the granted half step) fail 1.47x, on 16 steps 3.8x. (On 8 steps the
+    # three runs' d happen to land in proportion: 0.00x; the check is normwise, not a guarantee
+    # for every grid.)
+    def cut(bits: int):
+        def rounding(d: torch.Tensor) -> torch.Tensor:
+            mantissa, exponent = torch.frexp(d)
+            return torch.ldexp(torch.round(mantissa * 2**bits) / 2**bits, exponent)
+
+        return rounding
+
+    def grid(steps: int):
+        fp16 = torch.finfo(torch.float16)
+        step = steps * fp16.smallest_normal * fp16.eps
+        return lambda d: torch.round(d / step) * step
+
+    bf16, fp16 = LINEARITY_BF16, LINEARITY_FP16_MEAN
+    exact = {"bf16": lambda d: d.to(torch.bfloat16).double(), "fp16": lambda d: d.half().double()}
+    assert _linearity_with_d_logits(bf16, "grad_weight", exact["bf16"]) < 1.0
+    assert _linearity_with_d_logits(fp16, "loss_grad_weight", exact["fp16"]) < 1.0
+    assert _linearity_with_d_logits(bf16, "grad_weight", cut(5)) > 1.2
+    assert _linearity_with_d_logits(fp16, "loss_grad_weight", grid(4)) > 1.3
+    assert _linearity_with_d_logits(fp16, "loss_grad_weight", grid(16)) > 3.0

@@ -186,9 +186,7 @@ def logit_scales(spec: CaseSpec, dot_rounding: bool = False) -> dict[str, torch.
         if prefix == "" and entropy_sizes is not None:
             hidden_size = hidden_size + entropy_sizes[0]
             weight_size = weight_size + entropy_sizes[1]
-        if spec.tied and spec.transform != "untie":
-            embed = torch.zeros_like(weight_size).index_add_(0, problem.embed_ids, hidden_size)
-            weight_size = weight_size + TIE_SCALE * embed
+        weight_size = _tied_share(spec, problem, hidden_size, weight_size)
         out[prefix + "grad_hidden"] = top * hidden_size
         out[prefix + "grad_weight"] = top * weight_size
     return out
@@ -210,13 +208,43 @@ def gradient_subnormal_bounds(spec: CaseSpec) -> dict[str, torch.Tensor]:
     weight = problem.weight.to(torch.float64)
     per_hidden = half_step * valid * weight.abs().sum(0)  # [N, H]
     per_weight = (half_step * (valid * hidden.abs()).sum(0)).expand_as(weight)  # [V, H]
-    if spec.tied and spec.transform != "untie":
-        embed = torch.zeros_like(weight).index_add_(0, problem.embed_ids, per_hidden)
-        per_weight = per_weight + TIE_SCALE * embed
+    per_weight = _tied_share(spec, problem, per_hidden, per_weight)
     bounds = {}
     for prefix in ("", "loss_"):
         bounds[prefix + "grad_hidden"], bounds[prefix + "grad_weight"] = per_hidden, per_weight
     return bounds
+
+
+@lru_cache(maxsize=64)
+def d_logits_rounding_bounds(spec: CaseSpec) -> dict[str, torch.Tensor]:
+    """Per gradient output, the elementwise error of rounding d_logits once to the GEMMs' dtype
+    (weight's): ``u |d| + s/2`` per term, so ``u`` times `gradient_magnitudes` (tied: plus the
+    embedding's share) plus `gradient_subnormal_bounds`. The logit terms (`logit_scales`) count
+    this rounding inside ``max|z|`` times the sums; this is the rounding alone, for checks where
+    the logits' own rounding cancels (the same logits in every run) but d_logits' does not."""
+    problem = build(spec)
+    unit = torch.finfo(problem.weight.dtype).eps / 2
+    sizes, subnormal = gradient_magnitudes(spec), gradient_subnormal_bounds(spec)
+    bounds = {}
+    for prefix in ("", "loss_"):
+        if prefix + "grad_hidden" not in sizes:
+            continue
+        hidden_size, weight_size = sizes[prefix + "grad_hidden"], sizes[prefix + "grad_weight"]
+        weight_size = _tied_share(spec, problem, hidden_size, weight_size)
+        for name, size in (("grad_hidden", hidden_size), ("grad_weight", weight_size)):
+            bounds[prefix + name] = unit * size + subnormal[prefix + name]
+    return bounds
+
+
+def _tied_share(
+    spec: CaseSpec, problem: Problem, per_hidden: torch.Tensor, per_weight: torch.Tensor
+) -> torch.Tensor:
+    """``per_weight`` plus, for a tied weight, ``TIE_SCALE`` times ``per_hidden`` scattered onto
+    the embedding rows (a bound on grad_weight gains the embedding use's share, as R does)."""
+    if not spec.tied or spec.transform == "untie":
+        return per_weight
+    embed = torch.zeros_like(per_weight).index_add_(0, problem.embed_ids, per_hidden)
+    return per_weight + TIE_SCALE * embed
 
 
 def _loss_upstream(spec: CaseSpec, problem: Problem) -> torch.Tensor:

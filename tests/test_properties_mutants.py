@@ -32,3 +32,20 @@ def test_unknown_mutant_is_a_clear_error() -> None:
         applied("nope"),
     ):
         pass
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_a_planted_mutant_leaves_the_3_gemm_loss_path_runnable(name: str) -> None:
+    # Found by a campaign with --mutant on the nightly profile: the bent stages hid the 3-GEMM
+    # loss pass's chunk sizing (`loss_chunk_rows`), so every main_grad example raised
+    # AttributeError inside the wrapper and the search saved "ExceptionGroup: Hypothesis found 2
+    # distinct failures" instead of the planted bug's verdicts.
+    from verify.cases.spec import CaseSpec
+    from verify.running.engine import check_case
+
+    spec = CaseSpec(tokens=3, vocab=5, reduction="mean", loss_path="main_grad")
+    if not MUTANTS[name].applies_to(spec.backend) or MUTANTS[name].min_tp > 1:
+        pytest.skip(f"{name} is not planted on {spec.backend} at TP=1")
+    with applied(name):
+        verdicts = check_case(spec, properties=["main_grad"])
+    assert verdicts and not [v for v in verdicts if v.tier == "harness"], verdicts

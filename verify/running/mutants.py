@@ -45,9 +45,10 @@ class MutantStages:
         self.inner = inner
 
     def __getattr__(self, name: str):
-        # The double-backward recomputation is not bent (no mutant plants a bug there); the
-        # scalar-loss fast path stays hidden, so the loss runs through the bent stages.
-        if name == "grads_with_graph":
+        # The double-backward recomputation is not bent (no mutant plants a bug there), nor is
+        # the 3-GEMM loss pass's chunk sizing (its stages run unbent, `loss_grads_in_forward`);
+        # the scalar-loss fast path stays hidden, so the default loss runs through the bent stages.
+        if name in ("grads_with_graph", "loss_chunk_rows"):
             return getattr(self.inner, name)
         raise AttributeError(name)
 

@@ -110,14 +110,20 @@ def test_installed_run_impl_and_pytest_plugin_verify_a_users_kernel(
     environ.pop("LCE_TOLERANCES", None)
     run = [sys.executable, "-m", "verify", "run", "--impl", "lce_adapter:adapter", "--tp", "1"]
     run += ["--budget-s", "20", "--properties", "differential", "--out", str(tmp_path / "out")]
+    # The example kernel forms 1 - p_y by subtraction in fp32 (autograd through log_softmax), so
+    # a search that reaches a peaked fp32 row fails it on the envelope (1.26x on a T=8, V=3
+    # case: a true finding about that kernel, reached or not within the budget). This test is
+    # about the installed plumbing: a verdict either way (exit 0 or 1 with the verdict line),
+    # never a usage, harness or infrastructure error (exit 2 or 3).
     done = subprocess.run(
         run, capture_output=True, text=True, timeout=300, cwd=project, env=environ
     )
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    assert done.returncode == 0 or "differential FAILED on" in done.stdout, done.stdout
     assert (tmp_path / "out" / "impl-report.json").is_file()
     tests = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--lce-minutes", "0.2"]
     done = subprocess.run(
         tests, capture_output=True, text=True, timeout=300, cwd=project, env=environ
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 passed" in done.stdout
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    assert "1 passed" in done.stdout or "FAILED on" in done.stdout, done.stdout

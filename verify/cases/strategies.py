@@ -75,23 +75,29 @@ def seeds() -> st.SearchStrategy[int]:
     return st.integers(0, 2**16)
 
 
+# The offsets of the regimes that shift logits, simplest first.
+OFFSETS = {"offset": (10.0, -10.0, 100.0, -1e3, 1e4), "negative": (0.0, 10.0)}
+
+
 @st.composite
 def logit_regimes(draw: st.DrawFn, dtype_key: str) -> tuple[str, float, float]:
-    """``(regime, scale, offset)`` within `LOGIT_BOUND` of the dtype (normal first)."""
+    """``(regime, scale, offset)`` within `LOGIT_BOUND` of the dtype (normal first).
+
+    Every regime makes the same draws (the offset's index is drawn for each): a case's choices
+    then keep their positions when the regime changes. Hypothesis's targeted phase hill-climbs
+    one choice at a time and, when a change moves the choices after it, retries the rest in
+    every enclosing span: with the offset drawn for two regimes only, that cost 58,000
+    overrunning attempts (55 of 84 s) in a 577-example nightly-profile search on the CPU."""
     bound = LOGIT_BOUND[dtype_key]
-    regimes = ["normal", "peaked"]
+    offsets = {"normal": [0.0], "peaked": [0.0]}
     if bound >= 100:
-        regimes += ["negative", "offset", "spread"]
-    regime = draw(st.sampled_from(regimes))
-    scale = draw(st.sampled_from([1.0, 0.3, 3.0, 10.0]).filter(lambda s: 4 * s + 10 <= bound))
-    offset = 0.0
-    if regime == "offset":
-        offset = draw(
-            st.sampled_from([10.0, -10.0, 100.0, -1e3, 1e4]).filter(lambda c: abs(c) <= bound - 40)
-        )
-    elif regime == "negative":
-        offset = draw(st.sampled_from([0.0, 10.0]).filter(lambda c: 100 + abs(c) + 50 <= bound))
-    return regime, scale, offset
+        offsets["negative"] = [c for c in OFFSETS["negative"] if 100 + abs(c) + 50 <= bound]
+        offsets["offset"] = [c for c in OFFSETS["offset"] if abs(c) <= bound - 40]
+        offsets["spread"] = [0.0]
+    regime = draw(st.sampled_from([r for r, allowed in offsets.items() if allowed]))
+    scale = draw(st.sampled_from([s for s in (1.0, 0.3, 3.0, 10.0) if 4 * s + 10 <= bound]))
+    allowed = offsets[regime]
+    return regime, scale, allowed[draw(st.integers(0, 4)) % len(allowed)]
 
 
 @st.composite

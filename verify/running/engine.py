@@ -24,6 +24,7 @@ from verify.properties.catalog import PROPERTIES, get
 from verify.properties.expected import compute_ahead
 from verify.properties.verdict import PropertyVerdict, harness_error
 from verify.running import stage_timing
+from verify.running.budget_alarm import BudgetAlarm, BudgetExhausted
 from verify.running.profiles import profile_settings
 
 T = TypeVar("T")
@@ -36,11 +37,6 @@ class PropertyFailure(AssertionError):
     def __init__(self, verdicts: list[PropertyVerdict]) -> None:
         self.verdicts = verdicts
         super().__init__("\n".join(v.line() for v in verdicts))
-
-
-class BudgetExhausted(BaseException):
-    """Raised inside `run_property`'s search past a deadline to stop it; a BaseException, so
-    Hypothesis does not shrink it."""
 
 
 def check_case(
@@ -128,8 +124,9 @@ def run_property(
 
     ``deadlines`` (``time.monotonic()`` seconds): the search stops after the example that ends
     past ``deadlines[0]`` while nothing has failed, or past ``deadlines[1]`` once something has
-    (shrinking may run longer than searching); the result is then ``stopped``, with the latest
-    failing verdicts unshrunk. A flaky failure (Hypothesis's ``FlakyFailure``) is raised.
+    (shrinking may run longer than searching), or at that deadline when Hypothesis is between
+    examples (`BudgetAlarm`); the result is then ``stopped``, with the latest failing verdicts
+    unshrunk. A flaky failure (Hypothesis's ``FlakyFailure``) is raised.
     """
     names = [name] if isinstance(name, str) else list(name)
     for n in names:
@@ -142,26 +139,32 @@ def run_property(
     if not shrink:
         base = settings(base, phases=[p for p in base.phases if p != Phase.shrink])
 
+    def due() -> float:
+        return deadlines[0 if result.first_failure_at is None else 1]
+
+    alarm = BudgetAlarm(due)
+
     def body(spec: CaseSpec) -> None:
-        if result.first_failure_at is None:
-            result.examples += 1
-        verdicts = check_case(spec, properties=names, runner=runner)
-        for v in verdicts:
-            key = f"{v.property}:{v.output}"
-            if not v.failed:
-                result.worst_ratio[key] = max(result.worst_ratio.get(key, 0.0), v.ratio)
-        target(worst(verdicts), label="measured/allowed")
-        if on_example is not None:
-            on_example(spec, verdicts)
-        failed = [v for v in verdicts if v.failed]
-        if failed:
+        with alarm.example():  # the alarm leaves an example to the check at its end
             if result.first_failure_at is None:
-                result.first_failure_at = result.examples
-            result.failure = failed  # shrinking's best so far, kept if a deadline stops it
-        if time.monotonic() > deadlines[0 if result.first_failure_at is None else 1]:
-            raise BudgetExhausted
-        if failed:
-            raise PropertyFailure(failed)
+                result.examples += 1
+            verdicts = check_case(spec, properties=names, runner=runner)
+            for v in verdicts:
+                key = f"{v.property}:{v.output}"
+                if not v.failed:
+                    result.worst_ratio[key] = max(result.worst_ratio.get(key, 0.0), v.ratio)
+            target(worst(verdicts), label="measured/allowed")
+            if on_example is not None:
+                on_example(spec, verdicts)
+            failed = [v for v in verdicts if v.failed]
+            if failed:
+                if result.first_failure_at is None:
+                    result.first_failure_at = result.examples
+                result.failure = failed  # shrinking's best so far, kept if a deadline stops it
+            if time.monotonic() > due():
+                raise BudgetExhausted
+            if failed:
+                raise PropertyFailure(failed)
 
     search = given(strategy)(body)
     for spec in reversed(list(examples)):
@@ -173,7 +176,8 @@ def run_property(
         search = hypothesis_seed(seed)(search)
     began = time.perf_counter()
     try:
-        search()
+        with alarm:
+            search()
     except PropertyFailure as failure:
         result.failure = failure.verdicts
     except BudgetExhausted:

@@ -4,15 +4,14 @@ result keeps what the search had found (the campaign and the adapters rely on bo
 from __future__ import annotations
 
 import math
-import signal
 import time
 
-import pytest
+from hypothesis.internal.conjecture.engine import ConjectureRunner
 
 from verify.cases.spec import CaseSpec
 from verify.execution.runner import Runner
-from verify.running.budget_alarm import RECHECK_S, BudgetAlarm, BudgetExhausted
 from verify.running.engine import run_property
+from verify.running.engine_deadline import ENGINE_ENTRIES
 from verify.running.mutants import applied
 from verify.running.selftest import SELFTEST_PROPERTIES, selftest_specs
 
@@ -42,56 +41,32 @@ def test_shrinking_stopped_keeps_the_failure_unshrunk() -> None:
 
 
 def test_search_stops_at_its_deadline_between_examples() -> None:
-    """Hypothesis can go on without calling the test: here drawing the second example spins
-    past the deadline (a GPU campaign's targeted phase spent 30 s on overrunning candidates,
-    never calling the test). The alarm stops the search at the deadline; the per-example check
-    alone waited for the example's end, `SPIN_S` later."""
+    """Hypothesis can go on without calling the test: here a filter rejects every draw after
+    the first example (a GPU campaign's targeted phase spent 30 s on overrunning candidates so).
+    The search stops at the engine's first candidate past the deadline; the per-example check
+    alone waited for the next example, which the filter lets through `SPIN_S` past it."""
     drawn: list[float] = []
 
-    def spin_on_the_second(spec: CaseSpec) -> CaseSpec:
+    def first_then_none(spec: CaseSpec) -> bool:
         drawn.append(time.monotonic())
-        while len(drawn) == 2 and time.monotonic() < deadline + SPIN_S:
+        if len(drawn) > 1 and drawn[-1] < deadline + SPIN_S:
             time.sleep(0.01)
-        return spec
+            return False
+        return True
 
     deadline = time.monotonic() + 3.0
     result = run_property(
         "differential",
-        strategy=SPECS.map(spin_on_the_second),
+        strategy=SPECS.filter(first_then_none),
         max_examples=100,
         deadlines=(deadline, deadline),
     )
     ended = time.monotonic()
-    assert len(drawn) == 2 and drawn[1] < deadline, "the first example ran past the deadline"
+    assert len(drawn) > 1 and drawn[1] < deadline, "the first example ended past the deadline"
     assert result.stopped and result.passed and result.examples == 1
     assert ended - deadline < 1.0, f"stopped {ended - deadline:.1f} s past the deadline"
+    assert all(getattr(ConjectureRunner, name) is entry for name, entry in ENTRIES.items())
 
 
 SPIN_S = 5.0
-
-
-def test_the_alarm_waits_for_a_running_example_and_then_stops() -> None:
-    began = time.monotonic()
-    with pytest.raises(BudgetExhausted), BudgetAlarm(lambda: began + 0.1) as alarm:
-        with alarm.example():
-            time.sleep(0.3)  # past the deadline, inside an example: not interrupted
-        example_ended = time.monotonic()
-        while time.monotonic() < example_ended + RECHECK_S + 5:
-            time.sleep(0.01)  # Hypothesis between examples
-    assert time.monotonic() - example_ended <= RECHECK_S + 1.0
-
-
-def test_a_real_alarm_signal_reaches_the_handler_installed_before() -> None:
-    """pytest-timeout (the suite's) and users' code time out with SIGALRM: the alarm borrows
-    its handler only for the search and passes real signals on."""
-    received: list[int] = []
-    previous = signal.signal(signal.SIGALRM, lambda signum, frame: received.append(signum))
-    try:
-        with BudgetAlarm(lambda: math.inf):
-            signal.raise_signal(signal.SIGALRM)
-        assert received == [signal.SIGALRM]
-        assert signal.getsignal(signal.SIGALRM) is not None
-        signal.raise_signal(signal.SIGALRM)
-        assert received == [signal.SIGALRM] * 2
-    finally:
-        signal.signal(signal.SIGALRM, previous)
+ENTRIES = {name: getattr(ConjectureRunner, name) for name in ENGINE_ENTRIES}

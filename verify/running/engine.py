@@ -24,7 +24,7 @@ from verify.properties.catalog import PROPERTIES, get
 from verify.properties.expected import compute_ahead
 from verify.properties.verdict import PropertyVerdict, harness_error
 from verify.running import stage_timing
-from verify.running.budget_alarm import BudgetAlarm, BudgetExhausted
+from verify.running.engine_deadline import BudgetExhausted, deadline_in_engine
 from verify.running.profiles import profile_settings
 
 T = TypeVar("T")
@@ -124,9 +124,9 @@ def run_property(
 
     ``deadlines`` (``time.monotonic()`` seconds): the search stops after the example that ends
     past ``deadlines[0]`` while nothing has failed, or past ``deadlines[1]`` once something has
-    (shrinking may run longer than searching), or at that deadline when Hypothesis is between
-    examples (`BudgetAlarm`); the result is then ``stopped``, with the latest failing verdicts
-    unshrunk. A flaky failure (Hypothesis's ``FlakyFailure``) is raised.
+    (shrinking may run longer than searching), or at the engine's next candidate past it
+    (`deadline_in_engine`: between examples); the result is then ``stopped``, with the latest
+    failing verdicts unshrunk. A flaky failure (Hypothesis's ``FlakyFailure``) is raised.
     """
     names = [name] if isinstance(name, str) else list(name)
     for n in names:
@@ -142,29 +142,31 @@ def run_property(
     def due() -> float:
         return deadlines[0 if result.first_failure_at is None else 1]
 
-    alarm = BudgetAlarm(due)
+    runs = 0  # a search that starts past its deadline still runs one example
 
     def body(spec: CaseSpec) -> None:
-        with alarm.example():  # the alarm leaves an example to the check at its end
+        nonlocal runs
+        runs += 1
+        if result.first_failure_at is None:
+            result.examples += 1
+        verdicts = check_case(spec, properties=names, runner=runner)
+        for v in verdicts:
+            key = f"{v.property}:{v.output}"
+            if not v.failed:
+                result.worst_ratio[key] = max(result.worst_ratio.get(key, 0.0), v.ratio)
+        target(worst(verdicts), label="measured/allowed")
+        if on_example is not None:
+            on_example(spec, verdicts)
+        failed = [v for v in verdicts if v.failed]
+        if failed:
             if result.first_failure_at is None:
-                result.examples += 1
-            verdicts = check_case(spec, properties=names, runner=runner)
-            for v in verdicts:
-                key = f"{v.property}:{v.output}"
-                if not v.failed:
-                    result.worst_ratio[key] = max(result.worst_ratio.get(key, 0.0), v.ratio)
-            target(worst(verdicts), label="measured/allowed")
-            if on_example is not None:
-                on_example(spec, verdicts)
-            failed = [v for v in verdicts if v.failed]
-            if failed:
-                if result.first_failure_at is None:
-                    result.first_failure_at = result.examples
-                result.failure = failed  # shrinking's best so far, kept if a deadline stops it
-            if time.monotonic() > due():
-                raise BudgetExhausted
-            if failed:
-                raise PropertyFailure(failed)
+                result.first_failure_at = result.examples
+            result.failure = failed  # shrinking's best so far, kept if a deadline stops it
+            # Past the deadline too: the engine stops at its next candidate. Hypothesis's final
+            # replay of the shrunk failure must fail as it did, whatever the time.
+            raise PropertyFailure(failed)
+        if time.monotonic() > due():
+            raise BudgetExhausted
 
     search = given(strategy)(body)
     for spec in reversed(list(examples)):
@@ -176,7 +178,7 @@ def run_property(
         search = hypothesis_seed(seed)(search)
     began = time.perf_counter()
     try:
-        with alarm:
+        with deadline_in_engine(lambda: runs > 0 and time.monotonic() > due()):
             search()
     except PropertyFailure as failure:
         result.failure = failure.verdicts

@@ -3,11 +3,15 @@
 The bug (deliberate, for tests/test_adapters.py): ``reduction="mean"`` averages over every token,
 ignored ones included (they contribute 0 to the sum but still count in the denominator), so the
 loss and its gradients shrink by the fraction of ignored tokens. Everything else is right.
+`PAIRED_ROWS` is a second kernel that both raises and fails numerically
+(tests/test_search_groups.py).
 """
 
 from __future__ import annotations
 
 import torch
+
+from verify.execution.builtin import flat_loss_adapter
 
 CHUNK_TOKENS = 4
 
@@ -36,3 +40,18 @@ def chunked_linear_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.mean()  # the bug: the mean counts ignored tokens
+
+
+def _paired_rows_loss(hidden, weight, targets, ignore_index, reduction):
+    """A second kernel, with two bugs: it assumes an even row count (an ``assert``, not a
+    declared limit) and keeps the logits in bf16 (a half-precision tile buffer)."""
+    assert hidden.shape[0] % 2 == 0, f"rows are processed in pairs; got {hidden.shape[0]}"
+    logits = (hidden @ weight.T).bfloat16().float()
+    return torch.nn.functional.cross_entropy(
+        logits, targets, reduction=reduction, ignore_index=ignore_index
+    )
+
+
+# Its adapter declares ValueError as its refusal of an input, so the assert is no refusal: it
+# propagates as an error, beside the numerical failures of the even row counts.
+PAIRED_ROWS = flat_loss_adapter("paired_rows", _paired_rows_loss, refusals=(ValueError,))

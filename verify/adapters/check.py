@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from hypothesis.errors import FlakyFailure, Unsatisfiable
+from hypothesis.errors import Unsatisfiable
 
 from verify.adapters.filtering import (
     Untested,
@@ -41,9 +41,8 @@ from verify.execution.selection import resolve
 from verify.properties.verdict import HARNESS, PropertyVerdict, harness_error, is_refusal
 from verify.results import artifacts
 from verify.running.engine import (
-    PropertyFailure,
+    UNKNOWN_SPEC,
     SearchResult,
-    property_failures,
     run_property,
     search_rounds,
     seeds,
@@ -94,10 +93,15 @@ class PropertyOutcome:
         return not self.failures
 
     def merge(self, result: SearchResult) -> None:
-        """Add one batch's tally and failures."""
+        """Add one batch's tally and failures, and each exception it raised as a harness error
+        on its own spec (the simplest spec when unknown, said in the verdict)."""
         self.examples += result.examples
-        failures = [result.failure, *result.other_failures] if result.failure else []
-        self.failures += [Failure(verdicts) for verdicts in failures]
+        self.failures += [Failure(verdicts) for verdicts in result.failures]
+        for spec, exc in result.errors:
+            verdict = harness_error(self.property, spec or CaseSpec(), exc)
+            if spec is None:
+                verdict = replace(verdict, detail=f"{verdict.detail}; {UNKNOWN_SPEC}")
+            self.failures.append(Failure([verdict]))
         for key, ratio in result.worst_ratio.items():
             self.worst_ratio[key] = max(self.worst_ratio.get(key, 0.0), ratio)
 
@@ -314,15 +318,10 @@ class _Search:
                 max_examples=self.max_examples, seed=seed, examples=examples,
                 deadlines=deadlines,
             )  # fmt: skip
-        except FlakyFailure as exc:
-            outcome.failures.append(Failure(flaky_verdicts(exc)))
-            return True
         except Unsatisfiable:
             raise  # the caller's filters left nothing to draw
         except Exception as exc:  # the adapter's exceptions are verdicts: this is the harness's
-            spec = case_of(exc) or CaseSpec()
-            outcome.failures.append(Failure([harness_error(self.name, spec, exc)]))
-            return True
+            result = SearchResult(self.name, errors=[(case_of(exc), exc)])
         outcome.merge(result)
         return not result.stopped
 
@@ -351,18 +350,6 @@ def _timed(outcome, adapter, search: _Search, share: float, seed: int, deadline:
         return finished and time.monotonic() - began < share
 
     search_rounds(seeds(seed), batch)
-
-
-def flaky_verdicts(exc: FlakyFailure) -> list[PropertyVerdict]:
-    """The failing verdicts inside Hypothesis's FlakyFailure (a failure that did not repeat on
-    the same spec, e.g. a non-deterministic implementation), marked as such; re-raises ``exc``
-    when it holds no property failure."""
-    matched, _ = exc.split(PropertyFailure)
-    if matched is None:
-        raise exc
-    note = "; FLAKY: the same spec then passed (non-deterministic implementation?)"
-    failures = property_failures(matched)
-    return [replace(v, detail=v.detail + note) for failure in failures for v in failure.verdicts]
 
 
 def trigger(adapter: Adapter, spec: CaseSpec) -> dict[str, Any]:

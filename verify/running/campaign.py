@@ -30,12 +30,12 @@ from verify.cases.spec import BACKENDS, DTYPE_PAIRS, CaseSpec
 from verify.cases.strategies import campaign_specs, invalid_specs
 from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool, needs_pool
 from verify.distributed.errors import PoolError
-from verify.execution.runner import Runner
+from verify.execution.runner import Runner, case_of
 from verify.properties.catalog import PROPERTIES
 from verify.properties.verdict import HARNESS
 from verify.results import artifacts, report
 from verify.running import compile_warmup, concurrent_searches, stage_timing
-from verify.running.engine import run_property, search_rounds, seeds
+from verify.running.engine import UNKNOWN_SPEC, run_property, search_rounds, seeds
 from verify.running.mutants import MUTANTS
 from verify.running.profiles import profile_settings
 from verify.running.progress import Progress
@@ -395,7 +395,7 @@ class _Slice:
         # Searching stops at the slice's share of the budget; shrinking may go on to the end of
         # the campaign's budget (a found failure is worth more than later slices' examples).
         self.deadlines = (math.inf, math.inf)
-        self.signatures: set[tuple] = set()  # (properties, dtype, outputs) of saved failures
+        self.signatures: set[tuple] = set()  # (properties, dtype, error, outputs) of saved failures
         # time.monotonic() at the end of the last example (its wall time); one clock for every
         # process on the host, so concurrent searches' examples fall on one time line
         self.example_began = 0.0
@@ -472,18 +472,28 @@ class _Slice:
                 raise KeyboardInterrupt
             if result.stopped:
                 self.status = "budget"
-            if not result.passed:  # when stopped, shrinking's best so far
-                spec = result.shrunk_spec or self.current
-                shrunk = False if result.stopped else None
-                self._save(spec, names, result.failure, None, result.first_failure_at, shrunk)
+            shrunk = False if result.stopped else None  # when stopped, shrinking's best so far
+            for index, failing in enumerate(result.failures):
+                at = result.first_failure_at if index == 0 else None
+                self._save(CaseSpec.from_json(failing[0].spec), names, failing, None, at, shrunk)
+            for spec, exc in result.errors:
+                self._save_error(spec, names, exc)
         except InfraFault:  # reported by the runner; no failure artifact: lce did not fail
             self.status = "infrastructure error"
-        except Exception as exc:  # the case raised; Hypothesis shrank it to `self.current`
+        except Exception as exc:  # the case raised; Hypothesis shrank it
             if stop_requested():  # what the interrupt left behind, not the case's outcome
                 raise KeyboardInterrupt from exc
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            self._save(self.current, names, [], f"{type(exc).__name__}: {first_line}", None)
+            self._save_error(case_of(exc), names, exc)
         return len(self.artifacts) > saved
+
+    def _save_error(self, spec: CaseSpec | None, names: list[str], exc: Exception) -> None:
+        """Save an exception the search raised as an error artifact on ``spec``, the spec it was
+        raised on; when that is unknown, on the last drawn spec, and the error says so."""
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        error = f"{type(exc).__name__}: {first_line}"
+        if spec is None and self.current is not None:
+            spec, error = self.current, f"{error} ({UNKNOWN_SPEC}, the last drawn)"
+        self._save(spec, names, [], error, None)
 
     def _draw(self, spec: CaseSpec) -> CaseSpec:
         self.current = spec
@@ -534,7 +544,7 @@ class _Slice:
             examples=at,
         )
         self.unsaved = None
-        signature = (record["property"], spec.dtype_key, *sorted(v.output for v in failing))
+        signature = (record["property"], spec.dtype_key, error, *sorted(v.output for v in failing))
         if signature in self.signatures:  # a restarted search found the same failure class
             return
         self.signatures.add(signature)

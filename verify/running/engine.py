@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from hypothesis import Phase, example, given, settings, target
@@ -76,12 +76,19 @@ def worst(verdicts: list[PropertyVerdict]) -> float:
     return min(max((v.ratio for v in verdicts), default=0.0), 1e30)
 
 
+# Detail added to the verdicts of a failure Hypothesis reports as flaky.
+FLAKY = "; FLAKY: the same spec then passed (non-deterministic implementation?)"
+# Said of an exception `case_of` finds no spec for, where it is reported on a stand-in spec.
+UNKNOWN_SPEC = "raised on an unknown spec: the spec given is a stand-in"
+
+
 @dataclass
 class SearchResult:
     """What one Hypothesis search found: examples run until the first failure (its shrinking
     re-runs not counted), that failure's index, the failure (verdicts of the minimal spec; when
-    ``stopped``, of the latest failing spec, unshrunk), further failures of explicit examples,
-    and the worst passing ratio per output."""
+    ``stopped``, of the latest failing spec, unshrunk), further failures (failing explicit
+    examples, distinct bugs), the exceptions raised beside them, and the worst passing ratio per
+    output."""
 
     property: str
     examples: int = 0
@@ -91,10 +98,29 @@ class SearchResult:
     seconds: float = 0.0
     stopped: bool = False  # a deadline ended the search (see `run_property`)
     other_failures: list[list[PropertyVerdict]] = field(default_factory=list)
+    # Exceptions Hypothesis reported together with (or instead of) property failures, each with
+    # the spec it was raised on (`case_of`; None: unknown, see `UNKNOWN_SPEC`).
+    errors: list[tuple[CaseSpec | None, Exception]] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return not self.failure
+        return not self.failure and not self.errors
+
+    @property
+    def failures(self) -> list[list[PropertyVerdict]]:
+        """`failure` and `other_failures`, in order."""
+        return [self.failure, *self.other_failures] if self.failure else []
+
+    def raise_errors(self) -> None:
+        """Raise `errors` (one exception, or a group of them): for callers that report only
+        verdicts, so an exception is never dropped."""
+        if len(self.errors) == 1:
+            raise self.errors[0][1]
+        if self.errors:
+            raise ExceptionGroup(
+                f"{len(self.errors)} exceptions of a {self.property} search",
+                [exc for _, exc in self.errors],
+            )
 
     @property
     def shrunk_spec(self) -> CaseSpec | None:
@@ -122,11 +148,16 @@ def run_property(
     several
     of them failing, or a profile reporting several distinct bugs, give ``other_failures``.
 
+    When Hypothesis reports several failures at once (an exception group: failing explicit
+    examples, distinct bugs, a flaky failure), every one comes back: property failures as
+    verdicts (a flaky one's marked `FLAKY`), any other exception in ``errors`` with the spec it
+    was raised on; a lone exception other than a property failure propagates.
+
     ``deadlines`` (``time.monotonic()`` seconds): the search stops after the example that ends
     past ``deadlines[0]`` while nothing has failed, or past ``deadlines[1]`` once something has
     (shrinking may run longer than searching), or at the engine's next candidate past it
     (`deadline_in_engine`: between examples); the result is then ``stopped``, with the latest
-    failing verdicts unshrunk. A flaky failure (Hypothesis's ``FlakyFailure``) is raised.
+    failing verdicts unshrunk.
     """
     names = [name] if isinstance(name, str) else list(name)
     for n in names:
@@ -184,15 +215,18 @@ def run_property(
         result.failure = failure.verdicts
     except BudgetExhausted:
         result.stopped = True
-    except FlakyFailure:
-        raise
-    except BaseExceptionGroup as group:  # failing explicit examples, several bugs, or a stop
-        stopped, rest = group.split(BudgetExhausted)
-        failed, other = rest.split(PropertyFailure) if rest is not None else (None, None)
-        if other is not None:
-            raise
-        result.stopped = stopped is not None
-        failures = [f.verdicts for f in property_failures(failed)] if failed is not None else []
+    except BaseExceptionGroup as group:  # explicit examples, several bugs, a stop, a flaky one
+        failures = []
+        for exc, flaky in leaves(group):
+            if isinstance(exc, BudgetExhausted):
+                result.stopped = True
+            elif isinstance(exc, PropertyFailure):
+                note = FLAKY if flaky else ""
+                failures.append([replace(v, detail=v.detail + note) for v in exc.verdicts])
+            elif isinstance(exc, Exception):
+                result.errors.append((case_of(exc), exc))
+            else:
+                raise exc from group  # a stop signal or an infrastructure fault: the caller's
         if failures:
             result.failure, result.other_failures = failures[0], failures[1:]
     result.seconds = time.perf_counter() - began
@@ -219,9 +253,11 @@ def search_rounds(rounds: Iterable[T], search: Callable[[T], bool]) -> None:
             return
 
 
-def property_failures(group: BaseExceptionGroup) -> list[PropertyFailure]:
-    """The leaves of a (nested) group that holds only PropertyFailures, in order."""
-    out = []
+def leaves(group: BaseExceptionGroup, flaky: bool = False) -> Iterator[tuple[BaseException, bool]]:
+    """The leaves of a (nested) group in order, each with whether a ``FlakyFailure`` holds it."""
+    flaky = flaky or isinstance(group, FlakyFailure)
     for exc in group.exceptions:
-        out.extend(property_failures(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
+        if isinstance(exc, BaseExceptionGroup):
+            yield from leaves(exc, flaky)
+        else:
+            yield exc, flaky

@@ -114,6 +114,7 @@ def _hunt(
             properties, strategy=search, profile=profile, runner=runner,
             max_examples=max_examples, shrink=shrink, examples=examples,
         )  # fmt: skip
+        result.raise_errors()  # an exception is no kill: the mutant broke the run
         results.append(result)
         return result.passed and bool(marks)  # search on: no kill yet, landmarks left
 

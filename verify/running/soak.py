@@ -26,6 +26,7 @@ def soak(runs: int, max_examples: int | None = None) -> list[dict]:
             SOAK_PROPERTIES, strategy=selftest_specs((1,)), profile="ci", runner=Runner(),
             max_examples=max_examples, seed=seed,
         )  # fmt: skip
+        result.raise_errors()
         rows.append({
             "seed": seed, "examples": result.examples,
             "failures": [v.line() for v in result.failure], "seconds": round(result.seconds, 1),

@@ -179,7 +179,9 @@ def test_entropy_gradient_on_large_offset_logits_within_their_rounding() -> None
 def test_entropy_gradient_scale_still_fails_a_rounded_complement() -> None:
     # What the entropy term of the gradients' zeps scale must not grant: the old confident-row
     # defect, 1 - p_y rounded at 1 (fp32, scale 10, T = 0.25, g_lp = g_ent), planted in lce.
-    # It failed grad_weight at 326x before the term, 135x with it; the clean code passes.
+    # It failed grad_weight at 326x before the term, 135x with it, 36x once the logit term also
+    # grants the dots' index order (`dot_order_excess`: at H = 64 and |z| ~ 100 that order's
+    # logits are off by several u|z| where the BLAS's are not); the clean code passes.
     from unittest import mock
 
     from lce.tp import GlobalStats
@@ -193,7 +195,7 @@ def test_entropy_gradient_scale_still_fails_a_rounded_complement() -> None:
     with mock.patch.object(GlobalStats, "target_complement", rounded):
         verdicts = check_case(spec, properties=["differential"])  # a fresh runner: no cached run
     worst = max(verdicts, key=lambda v: v.ratio)
-    assert worst.output == "grad_weight" and worst.ratio > 50, worst.line()
+    assert worst.output == "grad_weight" and worst.ratio > 20, worst.line()
 
 
 # Found by a campaign once nothing was excused: fp32, T = 0.7, every logit offset by 10.
@@ -412,3 +414,54 @@ def test_upstream_linearity_bound_still_fails_coarser_d_logits() -> None:
     assert _linearity_with_d_logits(bf16, "grad_weight", cut(5)) > 1.2
     assert _linearity_with_d_logits(fp16, "loss_grad_weight", grid(4)) > 1.3
     assert _linearity_with_d_logits(fp16, "loss_grad_weight", grid(16)) > 3.0
+
+
+# Found by the GPU nightly of 2026-11-24 (session 4, Triton, one H200): fp32 log-probs 1.07x and
+# 1.005x the ratio tier, every logit offset by 10 (tied: |z| up to 110).
+INDEX_ORDER_CASES = {
+    "h16": CaseSpec(
+        tokens=7, hidden_size=16, vocab=2, regime="offset", offset=-10.0, tied=True,
+        reduction="mean", upstream="random", seed=214, backend="torch",
+    ),
+    "h64": CaseSpec(
+        tokens=12, hidden_size=64, vocab=2, regime="offset", offset=10.0, scale=0.3,
+        temperature=2.0, tied=True, reduction="mean", upstream="random", backend="torch",
+    ),
+}  # fmt: skip
+
+
+def _index_order_dots(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 dots summed k = 0..n-1, one fused multiply-add each (a tiled GPU kernel's order)."""
+    acc = torch.zeros(hidden.shape[0], weight.shape[0], dtype=torch.float32)
+    for k in range(hidden.shape[1]):
+        acc = (acc.double() + hidden[:, k, None].double() * weight[:, k].double()).float()
+    return acc
+
+
+@pytest.mark.parametrize("spec", INDEX_ORDER_CASES.values(), ids=INDEX_ORDER_CASES.keys())
+def test_differential_grants_the_dots_index_order(spec, monkeypatch) -> None:
+    # A false alarm on clean code: the H200's Triton forward sums each dot in index order, where
+    # every partial sum carries the offset and each addition rounds at ~|z|; the CPU BLAS (B)
+    # rounds few of them there. lce's error matched this order's model to 3 digits (2.888e-5 vs
+    # 2.889e-5 at H = 64). The torch backend with these dots fails the old bound as the kernel
+    # did at H = 16 (1.08x; the kernel 1.07x; H = 64 was the kernel's 1.005x, 0.99x here). The
+    # ratio tier now grants the order's excess over B's error per logit: 0.45x and 0.30x.
+    import lce.backends.torch_chunked as torch_chunked
+
+    monkeypatch.setattr(torch_chunked, "_logits", _index_order_dots)
+    failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
+    assert not failed, "\n".join(failed)
+
+
+def test_index_order_grant_still_fails_tf32_dots(monkeypatch) -> None:
+    # What the order's grant must not let through: the same dots with TF32 operands.
+    import lce.backends.torch_chunked as torch_chunked
+
+    def tf32(x: torch.Tensor) -> torch.Tensor:
+        bits = x.contiguous().view(torch.int32)
+        return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)  # round to nearest at 10 bits
+
+    monkeypatch.setattr(torch_chunked, "_logits", lambda h, w: _index_order_dots(tf32(h), tf32(w)))
+    verdicts = check_case(INDEX_ORDER_CASES["h16"], properties=["differential"])
+    worst = max(verdicts, key=lambda v: v.ratio)
+    assert worst.failed and worst.ratio > 10, worst.line()

@@ -20,7 +20,7 @@ import pytest
 
 from tests.campaign_jobs import STALL_FILE
 from verify.cases.spec import CaseSpec
-from verify.cli import EXIT_INFRA, EXIT_SIGNAL, campaign_exit_code
+from verify.cli import EXIT_HARNESS, EXIT_INFRA, EXIT_SIGNAL, campaign_exit_code
 from verify.distributed import WorkerPool
 from verify.running.campaign import CampaignConfig, run_campaign
 from verify.running.progress import Progress
@@ -162,3 +162,29 @@ def test_an_interrupt_swallowed_on_its_way_up_still_stops_the_campaign(
     assert doc["errors"] == [] and doc["failures"] == [] and result.artifacts == []
     assert doc["slices"][-1]["status"] == "interrupted" and doc["passed"] is False
     assert unraisable == [] and not went_on  # nothing printed for our own stop; no example more
+
+
+def test_the_search_s_own_error_is_a_harness_error(tmp_path, monkeypatch):
+    """An exception no case's run raised (Hypothesis's, the strategies'): the GPU nightly saved
+    Hypothesis's 'FlakyStrategyDefinition: Inconsistent data generation' as a failure of lce
+    (exit 1). It is the harness's: a `harness` verdict on the last drawn spec, exit 4."""
+    from hypothesis.errors import FlakyStrategyDefinition
+
+    from verify.running import campaign
+
+    specs = campaign.campaign_specs
+
+    def inconsistent(spec: CaseSpec) -> CaseSpec:
+        if spec.tokens > 3:
+            raise FlakyStrategyDefinition("Inconsistent data generation! (planted)")
+        return spec
+
+    monkeypatch.setattr(campaign, "campaign_specs", lambda **kw: specs(**kw).map(inconsistent))
+    config = CampaignConfig(
+        backends=("torch",), tp_sizes=(1,), budget_s=60, out_dir=tmp_path / "out",
+        properties=("differential",), max_examples=20,
+    )  # fmt: skip
+    doc = run_campaign(config, Progress("test", 60, stream=None)).report
+    (failure,) = doc["failures"]
+    assert failure["harness"] and "FlakyStrategyDefinition" in failure["line"], failure
+    assert campaign_exit_code(doc) == EXIT_HARNESS

@@ -32,10 +32,10 @@ from verify.distributed import WorkerDied, WorkerError, WorkerHung, WorkerPool, 
 from verify.distributed.errors import PoolError
 from verify.execution.runner import Runner, case_of
 from verify.properties.catalog import PROPERTIES
-from verify.properties.verdict import HARNESS
+from verify.properties.verdict import HARNESS, harness_error
 from verify.results import artifacts, report
 from verify.running import compile_warmup, concurrent_searches, stage_timing
-from verify.running.engine import UNKNOWN_SPEC, run_property, search_rounds, seeds
+from verify.running.engine import run_property, search_rounds, seeds
 from verify.running.mutants import MUTANTS
 from verify.running.profiles import profile_settings
 from verify.running.progress import Progress
@@ -488,12 +488,18 @@ class _Slice:
 
     def _save_error(self, spec: CaseSpec | None, names: list[str], exc: Exception) -> None:
         """Save an exception the search raised as an error artifact on ``spec``, the spec it was
-        raised on; when that is unknown, on the last drawn spec, and the error says so."""
+        raised on. One raised on no spec did not come out of running a case (`case_of`): the
+        search's own (Hypothesis, the strategies), a `harness_error` verdict on the last drawn
+        spec (exit 4: no verdict on the implementation)."""
+        if spec is None:
+            if self.current is not None:
+                verdict = harness_error(",".join(names), self.current, exc)
+                self._save(self.current, names, [verdict], None, None)
+            else:
+                self._save(None, names, [], f"{type(exc).__name__}: {exc}", None)
+            return
         first_line = str(exc).splitlines()[0] if str(exc) else ""
-        error = f"{type(exc).__name__}: {first_line}"
-        if spec is None and self.current is not None:
-            spec, error = self.current, f"{error} ({UNKNOWN_SPEC}, the last drawn)"
-        self._save(spec, names, [], error, None)
+        self._save(spec, names, [], f"{type(exc).__name__}: {first_line}", None)
 
     def _draw(self, spec: CaseSpec) -> CaseSpec:
         self.current = spec

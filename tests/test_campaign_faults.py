@@ -98,7 +98,12 @@ def test_a_stopped_campaign_writes_its_report_so_far(sig, tmp_path):
     assert "Traceback" not in stderr and "done" not in stderr
     doc = json.loads((out / "report.json").read_text())
     assert doc["interrupted"] == name and doc["passed"] is False
-    assert doc["examples"] > 0 and doc["slices"][-1]["status"] == "interrupted"
+    # Every slice is listed: those run, the one stopped (if the signal came inside one: it may
+    # come between two) and those never begun.
+    statuses = [s["status"] for s in doc["slices"]]
+    stopped = ("interrupted", "not run (interrupted)")
+    assert len(statuses) == 2 and statuses[-1] in stopped, statuses  # torch at TP 1 and 2
+    assert doc["examples"] > 0
     assert sum(s["examples"] for s in doc["slices"]) == doc["examples"]
     assert (out / "report.md").read_text().startswith(f"# ci campaign: INTERRUPTED by {name}")
 

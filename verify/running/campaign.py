@@ -245,6 +245,8 @@ def run_campaign(
                 search.save_unsaved()
                 saved.extend(search.artifacts)
                 tally.slices.append(search.row())
+            for backend, tp in slices[len(tally.slices) :]:  # not begun (or stopped between two)
+                tally.slices.append(_slice_row(backend, tp, "not run (interrupted)", 0, [], 0.0))
         finally:
             if warmup is not None:
                 compile_warmup.stop(warmup)

@@ -8,6 +8,7 @@ import torch
 
 import lce
 from verify.cases.spec import CaseSpec
+from verify.properties.expected import index_order_dots
 from verify.running.engine import check_case
 
 
@@ -430,14 +431,6 @@ INDEX_ORDER_CASES = {
 }  # fmt: skip
 
 
-def _index_order_dots(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 dots summed k = 0..n-1, one fused multiply-add each (a tiled GPU kernel's order)."""
-    acc = torch.zeros(hidden.shape[0], weight.shape[0], dtype=torch.float32)
-    for k in range(hidden.shape[1]):
-        acc = (acc.double() + hidden[:, k, None].double() * weight[:, k].double()).float()
-    return acc
-
-
 @pytest.mark.parametrize("spec", INDEX_ORDER_CASES.values(), ids=INDEX_ORDER_CASES.keys())
 def test_differential_grants_the_dots_index_order(spec, monkeypatch) -> None:
     # A false alarm on clean code: the H200's Triton forward sums each dot in index order, where
@@ -448,7 +441,7 @@ def test_differential_grants_the_dots_index_order(spec, monkeypatch) -> None:
     # ratio tier now grants the order's excess over B's error per logit: 0.45x and 0.30x.
     import lce.backends.torch_chunked as torch_chunked
 
-    monkeypatch.setattr(torch_chunked, "_logits", _index_order_dots)
+    monkeypatch.setattr(torch_chunked, "_logits", index_order_dots)
     failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
     assert not failed, "\n".join(failed)
 
@@ -461,7 +454,7 @@ def test_index_order_grant_still_fails_tf32_dots(monkeypatch) -> None:
         bits = x.contiguous().view(torch.int32)
         return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)  # round to nearest at 10 bits
 
-    monkeypatch.setattr(torch_chunked, "_logits", lambda h, w: _index_order_dots(tf32(h), tf32(w)))
+    monkeypatch.setattr(torch_chunked, "_logits", lambda h, w: index_order_dots(tf32(h), tf32(w)))
     verdicts = check_case(INDEX_ORDER_CASES["h16"], properties=["differential"])
     worst = max(verdicts, key=lambda v: v.ratio)
     assert worst.failed and worst.ratio > 10, worst.line()

@@ -123,24 +123,35 @@ def _magnitudes(
 FP32_U = torch.finfo(torch.float32).eps / 2
 
 
-def dot_order_excess(problem: Problem, layouts: tuple[str, str]) -> torch.Tensor:
+def index_order_dots(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``hidden @ weight.T`` summed k = 0..n-1 with one rounding per step, as a fused
+    multiply-add rounds (fp32 products are exact in fp64): a tiled GPU kernel's order."""
+    dots = torch.zeros(hidden.shape[0], weight.shape[0], dtype=torch.float32)
+    for k in range(hidden.shape[1]):
+        dots = (dots.double() + hidden[:, k, None].double() * weight[:, k].double()).float()
+    return dots
+
+
+@lru_cache(maxsize=64)
+def dot_order_excess(spec: CaseSpec) -> torch.Tensor:
     """Per raw dot ``hidden @ weight.T`` of fp32 operands, how much further from exact it lands
-    when summed in index order with one fused multiply-add per product (a tiled GPU kernel's
-    order: the H200's Triton forward matched it to 3 digits) than B's (the CPU BLAS's on the
-    same storage). Where every partial sum carries a common offset, index order rounds each of
-    n additions at ~|z| and a BLAS's blocked sums round few of them there: lce's fp32 log-probs
-    were 1.07x the ratio tier on the H200 (H = 16, 1.25e-5 against B's 2.1e-6; this order's
-    model 1.26e-5). Zeros for 16-bit and fp64 weights: there the logits' own rounding (16-bit)
-    dwarfs the fp32 accumulator's order, and no fp64 kernel tiles its dots (Triton refuses fp64)."""
+    in `index_order_dots`' order (the H200's Triton forward matched it to 3 digits) than in B's
+    (the CPU BLAS's on the operands' storage, `operand_layouts`). Where every partial sum carries
+    a common offset, index order rounds each of n additions at ~|z| and a BLAS's blocked sums
+    round few of them there: lce's fp32 log-probs were 1.07x the ratio tier on the H200 (H = 16,
+    1.25e-5 against B's 2.1e-6; this order's model 1.26e-5). Zeros for 16-bit and fp64 weights:
+    there the logits' own rounding (16-bit) dwarfs the fp32 accumulator's order, and no fp64
+    kernel tiles its dots (Triton refuses fp64)."""
+    problem = build(spec)
     if problem.weight.dtype != torch.float32:
         return torch.zeros(problem.hidden.shape[0], problem.weight.shape[0], dtype=torch.float64)
     hidden, weight = problem.hidden.to(torch.float32), problem.weight
+    layouts = operand_layouts(spec)
     exact = hidden.double() @ weight.double().T
-    indexed = torch.zeros_like(exact, dtype=torch.float32)
-    for k in range(hidden.shape[1]):  # fp32 products are exact in fp64: one rounding, an FMA's
-        indexed = (indexed.double() + hidden[:, k, None].double() * weight[:, k].double()).float()
     blas = with_layout(hidden, layouts[0]) @ with_layout(weight, layouts[1]).T
-    excess = (indexed.double() - exact).abs() - (blas.double() - exact).abs()
+    excess = (index_order_dots(hidden, weight).double() - exact).abs() - (
+        blas.double() - exact
+    ).abs()
     return excess.clamp_min(0.0)
 
 
@@ -175,7 +186,7 @@ def logit_scales(spec: CaseSpec, dot_rounding: bool = False) -> dict[str, torch.
     temperature = effective_temperature(spec)
     z = hidden @ weight.T / temperature
     # zeps = 2u weighs |z|: another order's excess enters in units of u, granted twice alike
-    size = z.abs() + dot_order_excess(problem, operand_layouts(spec)) / temperature / FP32_U
+    size = z.abs() + dot_order_excess(spec) / temperature / FP32_U
     if dot_rounding:
         # Dots accumulate in fp32 (fp64 for fp64) whatever dtype the logits are rounded to.
         acc = torch.float64 if problem.weight.dtype == torch.float64 else torch.float32

@@ -309,10 +309,10 @@ def overrun_stopped() -> bool:
 def overrun_watch(deadline: float) -> Iterator[None]:
     """Stop the block (KeyboardInterrupt, through `stop_signals`' handler) if it still runs
     `OVERRUN_GRACE_S` past ``deadline`` (``time.monotonic()``): wherever it is, inside an example
-    or in Hypothesis between examples (shrinking, rejected draws), where `run_property`'s own
-    deadline check never runs. A real signal, so a blocking call is woken too; the process's
-    stacks go to stderr first. Nothing happens outside a `stop_signals` block of the main
-    thread."""
+    that does not end or anywhere else `run_property`'s checks (at each example's end and each
+    candidate of Hypothesis's engine) do not reach. A real signal, so a blocking call is woken
+    too; the process's stacks go to stderr first. Nothing happens outside a `stop_signals` block
+    of the main thread."""
     if not math.isfinite(deadline) or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -493,12 +493,9 @@ class _Slice:
         raised on. One raised on no spec did not come out of running a case (`case_of`): the
         search's own (Hypothesis, the strategies), a `harness_error` verdict on the last drawn
         spec (exit 4: no verdict on the implementation)."""
-        if spec is None:
-            if self.current is not None:
-                verdict = harness_error(",".join(names), self.current, exc)
-                self._save(self.current, names, [verdict], None, None)
-            else:
-                self._save(None, names, [], f"{type(exc).__name__}: {exc}", None)
+        if spec is None and self.current is not None:
+            verdict = harness_error(",".join(names), self.current, exc)
+            self._save(self.current, names, [verdict], None, None)
             return
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         self._save(spec, names, [], f"{type(exc).__name__}: {first_line}", None)

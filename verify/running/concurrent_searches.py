@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 # How long a search may take to save its findings and stop after SIGTERM (its pool's grace and a
-# shrink step in flight), before it is killed.
+# shrink step in flight), before it is killed. Also the campaign's backstop: a search still
+# without its "done" this long after the budget's deadline plus `campaign.OVERRUN_GRACE_S` (when
+# its own watchdog should have stopped it) is killed.
 STOP_GRACE_S = 30.0
 # How long the search processes get to exit once the slice is over.
-# The campaign's backstop: a search still without its "done" this long after the budget's deadline
-# plus `campaign.OVERRUN_GRACE_S` (when its own watchdog should have stopped it) is killed.
 EXIT_S = 10.0
 # A search process found dead without its "done" message is given this long for messages still in
 # the queue's pipe before it counts as died.

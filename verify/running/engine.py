@@ -173,11 +173,7 @@ def run_property(
     def due() -> float:
         return deadlines[0 if result.first_failure_at is None else 1]
 
-    runs = 0  # a search that starts past its deadline still runs one example
-
     def body(spec: CaseSpec) -> None:
-        nonlocal runs
-        runs += 1
         if result.first_failure_at is None:
             result.examples += 1
         verdicts = check_case(spec, properties=names, runner=runner)
@@ -209,7 +205,9 @@ def run_property(
         search = hypothesis_seed(seed)(search)
     began = time.perf_counter()
     try:
-        with deadline_in_engine(lambda: runs > 0 and time.monotonic() > due()):
+        # After one example at least (a search that starts past its deadline still runs one):
+        # `examples` counts every example up to the first failure.
+        with deadline_in_engine(lambda: result.examples > 0 and time.monotonic() > due()):
             search()
     except PropertyFailure as failure:
         result.failure = failure.verdicts

@@ -5,7 +5,8 @@ Run from the repo root (Liger / Apple CCE are used when importable):
 Steps: (1) the compiled kernels vs float64 at one large shape; (2) a tile sweep of both kernels at
 llama3-8k, the fastest tiles become the config of (3); (3) per shape: one bf16 GEMM, stock PyTorch,
 lce triton, Liger, CCE: time (median ms), peak memory above the inputs (GiB), normwise grad errors
-vs an fp32 materialized reference. The stage tests run apart: pytest tests/test_triton_stages.py.
+vs an fp32 materialized reference. The stage tests run apart:
+pytest tests/lce/test_triton_stages.py.
 """
 
 from __future__ import annotations

@@ -10,16 +10,16 @@ Defaults: ``liger``, ``cce``, ``cce-exact`` and ``verl`` on a CUDA machine (verl
 each implementation then gets at most its part of the time left less `STARTUP_S` (peers
 JIT-compile their kernels for every new shape; the search stops at its budget, but the first
 example's compile comes on top). When the time left cannot give every remaining implementation
-`STARTUP_S` + `MIN_SEARCH_S`, the last ones are reported as not run. Writes
-``DIR/adapters.json``, ``DIR/adapters.md`` and failure artifacts under ``DIR/failures`` (replay:
-``verify.adapters.replay_impl``). An implementation whose package or device is missing is reported
-as skipped. Exit code 0 unless the script broke.
+`STARTUP_S` + `MIN_SEARCH_S`, the last ones are reported as not run. Each implementation is one
+campaign (`verify.running.campaign`, the same as ``lce-verify run --impl``): its report and failure
+artifacts go to ``DIR/<impl>/`` (``lce-verify replay`` re-runs an artifact); ``DIR/adapters.json``
+and ``DIR/adapters.md`` gather them. An implementation whose package or device is missing is
+reported as skipped. Exit code 0 unless the script broke.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verify.adapters import Adapter, AdapterError, check_impl, resolve
-from verify.adapters.impl_report import to_json, to_markdown
-from verify.distributed import WorkerPool
+from verify.adapters import Adapter, AdapterError, resolve
 from verify.results.artifacts import device_description, versions
+from verify.running.campaign import run_campaign
+from verify.running.config import CampaignConfig
 
 GPU_DEFAULT = ("liger", "cce", "cce-exact", "verl")
 # Measured since the search stops inside its batch: Liger took 64 s on a 50 s budget on an H100
@@ -53,12 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--total-minutes", type=float, default=None, help="time budget of the whole run (none)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="first seed of the seeded batches")
+    parser.add_argument("--seed", type=int, default=0, help="the campaigns' seed")
     parser.add_argument(
-        "--max-examples", type=int, default=None, help="examples per seeded batch (default 20)"
-    )
-    parser.add_argument(
-        "--failures", type=Path, default=None, help="artifact directory (default OUT/failures)"
+        "--max-examples", type=int, default=None, help="examples per search (the profile's)"
     )
     return parser.parse_args(argv)
 
@@ -104,28 +101,43 @@ def main(argv: list[str] | None = None) -> int:
             sections.append(f"## {ref}: skipped\n\n{exc}\n")
             print(f"{ref}: skipped ({exc})", flush=True)
             continue
-        with _tp_pool(adapter) as pool:
-            report = check_impl(
-                ref, profile=args.profile, minutes=minutes, seed=args.seed, pool=pool,
-                max_examples=args.max_examples, failures_dir=args.failures or args.out / "failures",
-            )  # fmt: skip
-        summary["implementations"].append(to_json(report))
-        sections.append(to_markdown(report))
-        state = "passed" if report.passed else "FAILED"
-        print(f"{ref}: {state} in {time.monotonic() - began:.0f} s", flush=True)
+        config = CampaignConfig(
+            impl=ref, profile=args.profile, budget_s=60 * minutes, tp_sizes=_tp_sizes(adapter),
+            device=device, seed=args.seed, max_examples=args.max_examples,
+            out_dir=args.out / _slug(ref),
+        )  # fmt: skip
+        doc = run_campaign(config).report
+        summary["implementations"].append(_summary(ref, doc))
+        sections.append((config.out_dir / "report.md").read_text().replace("# ", "## ", 1))
+        print(f"{ref}: {doc['outcome']} in {time.monotonic() - began:.0f} s", flush=True)
         _write(args.out, summary, sections)  # after each one: a killed run keeps what it found
     _write(args.out, summary, sections)
     print(f"wrote {args.out / 'adapters.md'} and {args.out / 'adapters.json'}")
     return 0
 
 
-def _tp_pool(adapter: Adapter):
-    """A 2-GPU NCCL worker pool for a CUDA adapter claiming tensor parallelism when two GPUs are
-    visible (its properties then run at TP = 2 too), else no pool (TP = 1 only)."""
+def _tp_sizes(adapter: Adapter) -> tuple[int, ...]:
+    """TP 1, and 2 over NCCL for a CUDA adapter claiming tensor parallelism when two GPUs are
+    visible."""
     parallel = adapter.capabilities.tensor_parallel and adapter.device == "cuda"
-    if parallel and torch.cuda.device_count() >= 2:
-        return WorkerPool(world_size=2, device="cuda")
-    return contextlib.nullcontext(None)
+    return (1, 2) if parallel and torch.cuda.device_count() >= 2 else (1,)
+
+
+def _slug(ref: str) -> str:
+    return ref.replace(":", "-").replace("/", "-")
+
+
+def _summary(ref: str, doc: dict) -> dict:
+    """One implementation's line of adapters.json: outcome, examples per property, failures."""
+    examples: dict[str, int] = {}
+    for row in doc["counts"]:
+        examples[row["property"]] = examples.get(row["property"], 0) + row["examples"]
+    return {
+        "impl": ref, "outcome": doc["outcome"], "report": doc["out_dir"],
+        "properties": [{"property": name, "examples": examples.get(name, 0)}
+                       for name in doc["properties"]],
+        "failures": doc["failures"], "errors": doc["errors"], "not_tested": doc["not_tested"],
+    }  # fmt: skip
 
 
 def _write(out: Path, summary: dict, sections: list[str]) -> None:

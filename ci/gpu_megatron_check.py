@@ -1,6 +1,6 @@
 """lce.megatron vs megatron-core's stock LM head on real megatron-core objects, TP = 1 and TP = k.
 
-Runs every case of the CPU test (tests/test_megatron.py imports `run`) on one spawned world:
+Runs every case of the CPU test (tests/lce/test_megatron.py imports `run`) on one spawned world:
 CUDA + NCCL when GPUs are present (use ``--backend triton``), else CPU + gloo. Three actors per
 output, as in the tolerance model: K = lce.megatron, B = megatron-core's stock path
 (ColumnParallelLinear + vocab_parallel_cross_entropy, same dtype), R = float64 materialized.

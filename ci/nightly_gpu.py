@@ -62,7 +62,7 @@ def plan(out: Path, gpus: int) -> list[Step]:
     return [
         Step("environment", 0.02, [py, "-c", ENV_PROBE]),
         Step("kernel_tests", 0.07, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             "tests/test_triton_stages.py"]),
+             "tests/lce/test_triton_stages.py"]),
         Step("kernel_benchmark", 0.23, [py, "benchmarks/kernel_gpu.py", "--no-sweep",
              "--json", str(out / "kernel_gpu.json")]),
         Step("megatron", 0.1, [py, "ci/gpu_megatron_check.py", "--nprocs", str(min(gpus, 2)),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 CORPUS_DIR = (
     Path(__file__).resolve().parent / "corpus"
-)  # the regression corpus (verify.results.corpus)
+)  # the regression corpus (verify.running.corpus)
 # The exit codes of every command: this is their one definition (docs/exit-codes.md says the same).
 EXIT_PASS = 0  # every check ran and passed
 EXIT_FAIL = 1  # the implementation failed a check: failure artifacts written (a verdict on it)
@@ -95,8 +95,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--backends",
         type=_names,
-        default=("torch", "triton"),
-        help="comma-separated backends (torch,triton)",
+        default=(),
+        help="comma-separated backends of the implementation (every one that runs here)",
     )
     p.add_argument("--tp", type=_ints, default=(1, 2, 4), help="comma-separated TP degrees (1,2,4)")
     p.add_argument(
@@ -143,8 +143,23 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         help="concurrent searches per TP=1 slice, each with its own worker (cuda: 3 per 4 cores, "
         "at most 12; cpu: 1)",
     )
+    p.add_argument(
+        "--example-deadline-s",
+        type=float,
+        default=None,
+        help="seconds a case may take before it counts as hung, fixed (default: the profile's "
+        "rule, the longer of 60 s and 10x the slowest example so far)",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="leave out specs with this field value, e.g. regime=peaked (repeatable): a region "
+        "with an open, reported finding",
+    )
     p.add_argument("--mutant", default=None, help="plant this bug (self-test; see `mutants`)")
-    _add_impl_option(p, "verify this implementation instead of lce's backends")
+    _add_impl_option(p, "verify this implementation (default: lce, both backends)")
     p.set_defaults(handler=_cmd_run)
 
 
@@ -232,27 +247,23 @@ def _add_replay_options(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    if args.impl is not None:
-        return _with_impl(lambda command: command.run_impl(args))
-    from verify.running.campaign import CampaignConfig, run_campaign
+    from verify.adapters import AdapterError
+    from verify.results.report import headline
+    from verify.running.campaign import plan, run_campaign
+    from verify.running.config import CampaignConfig
 
     config = CampaignConfig(
-        profile=args.profile,
-        backends=args.backends,
-        tp_sizes=args.tp,
-        budget_s=args.budget_s,
-        out_dir=args.out,
-        failures_dir=args.failures,
-        properties=args.properties,
-        device=args.device,
-        seed=args.seed,
-        mutant=args.mutant,
-        max_examples=args.max_examples,
-        dtypes=args.dtypes,
-        searches=args.searches,
-    )
+        impl=args.impl or "lce", profile=args.profile, backends=args.backends, tp_sizes=args.tp,
+        budget_s=args.budget_s, out_dir=args.out, failures_dir=args.failures,
+        properties=args.properties, device=args.device, seed=args.seed, mutant=args.mutant,
+        max_examples=args.max_examples, dtypes=args.dtypes, searches=args.searches,
+        example_deadline_s=args.example_deadline_s, exclude=tuple(args.exclude),
+    )  # fmt: skip
     try:
         config.validate()
+        plan(config)
+    except AdapterError as exc:
+        raise UsageError(f"--impl: {exc}") from exc
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     result = run_campaign(config)
@@ -265,8 +276,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"{doc['title']}: INTERRUPTED by {result.interrupted} after {counts}; "
               f"report so far: {result.paths['markdown']}")  # fmt: skip
         return EXIT_SIGNAL + signal.Signals[result.interrupted].value
-    verdict = "PASSED" if result.passed else "FAILED"
-    print(f"{doc['title']}: {verdict} - {counts} ({doc['examples_per_s']} examples/s)")
+    print(f"{doc['title']}: {headline(doc)} - {counts} ({doc['examples_per_s']} examples/s)")
     for failure in doc["failures"]:
         print(f"  {failure['artifact']}: {failure['line']}")
     for error in doc["errors"]:
@@ -291,16 +301,11 @@ def campaign_exit_code(doc: dict) -> int:
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     from verify.results import artifacts
+    from verify.running.replay import KEEP
 
     if args.times < 1:
         raise UsageError(f"--times must be >= 1, got {args.times}")
     loaded = _load_all(args.files, artifacts)
-    from verify.results.replay import KEEP
-
-    if args.impl is not None or any(a.record.get("impl") for a in loaded):
-        return _with_impl(
-            lambda command: command.replay_with_impl(args.files, args.impl, args.times, args.device)
-        )
     mutant = None if args.without_mutant else KEEP
     too_big = _beyond_gpus(loaded, args)
     if too_big:
@@ -330,7 +335,7 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
     if not files:
         raise UsageError(f"--dir {args.dir}: holds no *.json artifacts")
     loaded = _load_all(files, artifacts)
-    from verify.results.corpus import plans
+    from verify.running.corpus import plans
 
     skipped = _beyond_gpus(loaded, args)
     for artifact in skipped:
@@ -363,8 +368,8 @@ def _beyond_gpus(loaded: list, args: argparse.Namespace) -> list:
 def _cmd_mutants(args: argparse.Namespace) -> int:
     import json
 
-    from verify.results.corpus import save_kill
-    from verify.running.mutants import MUTANTS
+    from verify.execution.mutants import MUTANTS
+    from verify.running.corpus import save_kill
     from verify.running.selftest import format_table, mutation_table
 
     names = list(args.only or MUTANTS)
@@ -401,27 +406,28 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
 
 
 def _replay_all(loaded, args, plans: Callable, times: int, annotate: bool) -> int:
-    """Replay each artifact under each ``(mutant, must_pass)`` plan; print one block per replay
-    (``annotate``: mark outcomes other than the expected one). 0 when all went as expected."""
-    from verify.distributed.seam import needs_pool, open_pool
-    from verify.results.replay import replay, summary_lines
+    """Replay each artifact under each ``(mutant, must_pass)`` plan on worker processes; print one
+    block per replay (``annotate``: mark outcomes other than the expected one). 0 when all went
+    as expected."""
+    from verify.adapters import AdapterError
+    from verify.distributed.seam import open_pool
+    from verify.running.replay import replay, summary_lines
 
     for artifact in loaded:
         _check_override(artifact, args)
+    impl = getattr(args, "impl", None)
     tps = [args.tp or a.spec.tp for a in loaded]
     ok, runs, unexpected = True, 0, 0
     with open_pool(max(tps), args.device) as pool:
-        for artifact, tp in zip(loaded, tps, strict=True):
+        for artifact in loaded:
             for mutant, must_pass in plans(artifact):
-                result = replay(
-                    artifact,
-                    backend=args.backend,
-                    tp=args.tp,
-                    # Only a case that runs on workers sees the pool (the megatron peer needs it).
-                    pool=pool if needs_pool(tp, args.device) else None,
-                    mutant=mutant,
-                    times=times,
-                )
+                try:
+                    result = replay(
+                        artifact, backend=args.backend, tp=args.tp, pool=pool, mutant=mutant,
+                        times=times, adapter=impl,
+                    )  # fmt: skip
+                except AdapterError as exc:
+                    raise UsageError(f"{artifact.path}: {exc}") from exc
                 good = result.passed == must_pass and result.identical and result.reproducible
                 if not must_pass and annotate:  # a corpus entry's planted bug: its own failure
                     good &= result.same_failure
@@ -442,16 +448,6 @@ def _check_override(artifact, args: argparse.Namespace) -> None:
         artifact.spec.with_(**changes)
     except SpecError as exc:
         raise UsageError(f"{artifact.path}: cannot replay with {changes}: {exc}") from exc
-
-
-def _with_impl(call: Callable) -> int:
-    """Run ``call(verify.adapters.command)``; a bad ``--impl`` is a usage error."""
-    from verify.adapters import AdapterError, command
-
-    try:
-        return call(command)
-    except AdapterError as exc:
-        raise UsageError(f"--impl: {exc}") from exc
 
 
 def _load_all(files: Sequence[Path], artifacts) -> list:

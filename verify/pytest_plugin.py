@@ -2,24 +2,28 @@
 
 Enable it with ``-p verify.pytest_plugin`` or ``pytest_plugins = ["verify.pytest_plugin"]`` in the
 root conftest.py. Options: ``--lce-impl`` (a built-in name or ``module:function``),
-``--lce-profile``, ``--lce-minutes``, ``--lce-max-examples``, ``--lce-failures``. Fixtures:
-``lce_impl`` (the selected `Adapter`) and ``lce_verify`` (run the engine on it; the test fails
-with one line per failing verdict and its artifact). The terminal summary lists what each run
-did not test.
+``--lce-profile``, ``--lce-minutes``, ``--lce-max-examples``, ``--lce-tp``, ``--lce-failures``.
+Fixtures: ``lce_impl`` (the selected `Adapter`) and ``lce_verify`` (a campaign of it, the same as
+``lce-verify run --impl``: its cases run in worker processes, so a crash or a hang is a finding;
+the test fails with one line per failure and its artifact). The terminal summary lists what each
+run did not test.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:  # torch, lce and hypothesis load only when a fixture is used
-    from verify.adapters import Adapter, ImplReport
+    from verify.adapters import Adapter
+    from verify.running.campaign import CampaignResult
 
-_REPORTS = pytest.StashKey[list["ImplReport"]]()
+_RESULTS = pytest.StashKey[list["CampaignResult"]]()
+# The budget of an lce_verify call without --lce-minutes: the ci profile's examples fit in it.
+DEFAULT_MINUTES = 2.0
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -32,20 +36,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--lce-profile", default="ci", help="settings profile: ci, nightly or dev")
     group.addoption(
-        "--lce-minutes", type=float, default=None, help="time budget of each lce_verify call"
+        "--lce-minutes",
+        type=float,
+        default=DEFAULT_MINUTES,
+        help=f"time budget of each lce_verify call ({DEFAULT_MINUTES:g})",
     )
     group.addoption(
-        "--lce-max-examples", type=int, default=None, help="examples per property (profile's)"
+        "--lce-max-examples", type=int, default=None, help="examples per slice (profile's)"
     )
+    group.addoption("--lce-tp", default="1", help="comma-separated TP degrees (1)")
     group.addoption(
         "--lce-failures",
         default=None,
-        help="directory for failure artifacts (default: the test's tmp_path)",
+        help="directory for the report and failure artifacts (default: the test's tmp_path)",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_REPORTS] = []
+    config.stash[_RESULTS] = []
 
 
 @pytest.fixture
@@ -60,41 +68,54 @@ def lce_impl(request: pytest.FixtureRequest) -> Adapter:
 
 
 @pytest.fixture
-def lce_verify(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., ImplReport]:
-    """``lce_verify(impl=None, **check_impl_options) -> ImplReport``: searches ``impl`` (default:
-    ``--lce-impl``) and fails the test on any failure, naming each verdict and its artifact."""
-    from verify.adapters import check_impl
+def lce_verify(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., CampaignResult]:
+    """``lce_verify(impl=None, **campaign_options) -> CampaignResult``: a campaign of ``impl``
+    (default: ``--lce-impl``; options are `CampaignConfig` fields) that fails the test on any
+    failure or infrastructure error, naming each failure and its artifact."""
+    from verify.running.campaign import run_campaign
+    from verify.running.config import CampaignConfig
 
     config = request.config
 
-    def verify(impl: str | Adapter | None = None, **options) -> ImplReport:
+    def verify(impl: str | None = None, **options: Any) -> CampaignResult:
         chosen = impl if impl is not None else config.getoption("--lce-impl")
         if chosen is None:
             pytest.skip("no implementation selected: pass --lce-impl or lce_verify(impl)")
+        out = Path(config.getoption("--lce-failures") or tmp_path)
         options.setdefault("profile", config.getoption("--lce-profile"))
-        options.setdefault("minutes", config.getoption("--lce-minutes"))
+        options.setdefault("budget_s", 60.0 * config.getoption("--lce-minutes"))
         options.setdefault("max_examples", config.getoption("--lce-max-examples"))
-        options.setdefault("failures_dir", config.getoption("--lce-failures") or tmp_path)
-        report = check_impl(chosen, **options)
-        config.stash[_REPORTS].append(report)
-        if not report.passed:
-            pytest.fail("\n".join(report.failure_lines()), pytrace=False)
-        return report
+        options.setdefault(
+            "tp_sizes", tuple(int(t) for t in config.getoption("--lce-tp").split(","))
+        )
+        options.setdefault("out_dir", out)
+        result = run_campaign(CampaignConfig(impl=chosen, **options))
+        config.stash[_RESULTS].append(result)
+        if not result.passed:
+            pytest.fail("\n".join(failure_lines(result.report)), pytrace=False)
+        return result
 
     return verify
 
 
-def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    reports = config.stash.get(_REPORTS, [])
-    if not reports:
+def failure_lines(doc: dict[str, Any]) -> list[str]:
+    """One line per failure (with its artifact) and per infrastructure error of a report."""
+    lines = [f"{doc['title']}: {doc['outcome']} (report {doc.get('out_dir', '')})"]
+    lines += [f"{f['line']} artifact={f['artifact']}" for f in doc["failures"]]
+    lines += [f"infrastructure error at {e['where']}: {e['message']}" for e in doc["errors"]]
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    results = config.stash.get(_RESULTS, [])
+    if not results:
         return
     terminalreporter.section("lce verify")
-    for report in reports:
-        examples = sum(o.examples for o in report.outcomes)
-        state = "passed" if report.passed else "FAILED"
+    for result in results:
+        doc = result.report
         terminalreporter.write_line(
-            f"{report.adapter.name}: {state}, {len(report.outcomes)} properties, "
-            f"{examples} examples ({report.profile})"
+            f"{doc['implementation']['name']}: {doc['outcome']}, {len(doc['properties'])} "
+            f"properties, {doc['examples']} examples ({doc['profile']})"
         )
-        for gap in report.untested:
-            terminalreporter.write_line(f"  not tested: {gap.line()}")
+        for gap in doc["not_tested"]:
+            terminalreporter.write_line(f"  not tested: {gap['what']}: {gap['reason']}")

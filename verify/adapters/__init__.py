@@ -1,12 +1,9 @@
-"""Verify any linear cross-entropy implementation through an adapter (docs/verify-your-kernel.md).
-
-`resolve` selects one by built-in name or ``module:function``; `check_impl` searches it under a
-profile; `replay_impl` re-runs a saved failure through it.
+"""Adapters: how the harness calls an implementation, what it claims, and the built-in ones (lce's
+own among them). `resolve` selects one by built-in name or ``module:function``
+(docs/verify-your-kernel.md); a campaign of it is `verify.running.campaign.run_campaign`.
 """
 
-from verify.adapters.check import ImplReport, check_impl
-from verify.adapters.impl_replay import replay_impl
-from verify.execution.interface import (
+from verify.adapters.interface import (
     Adapter,
     AdapterError,
     Call,
@@ -14,19 +11,16 @@ from verify.execution.interface import (
     Limits,
     NumericalContract,
 )
-from verify.execution.selection import from_loss_fn, names, resolve
+from verify.adapters.registry import from_loss_fn, names, resolve
 
 __all__ = [
     "Adapter",
     "AdapterError",
     "Call",
     "Capabilities",
-    "ImplReport",
     "Limits",
     "NumericalContract",
-    "check_impl",
     "from_loss_fn",
     "names",
-    "replay_impl",
     "resolve",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from verify.cases.build import Problem, tied_hidden
+from verify.cases.layouts import with_layout
 from verify.cases.spec import CaseSpec
 from verify.numerics.reference import IGNORE_INDEX
 
@@ -97,13 +98,6 @@ def rank_inputs(spec: CaseSpec, problem: Problem, tp_rank: int) -> RankInputs:
     )  # fmt: skip
 
 
-def operand_layouts(spec: CaseSpec) -> tuple[str, str]:
-    """How `rank_inputs` stores the hidden and weight an implementation multiplies: a tied run's
-    hidden (base + embedding, formed in the run) and an untied rerun's are contiguous."""
-    tied = spec.tied or spec.transform == "untie"
-    return ("contiguous" if tied else spec.layout), spec.layout
-
-
 def effective_temperature(spec: CaseSpec) -> float:
     """The temperature passed to the implementation: 1 when the transform folded it into hidden."""
     return 1.0 if spec.transform == "fold_temperature" else spec.temperature
@@ -117,20 +111,6 @@ def vocab_range(spec: CaseSpec, tp_rank: int) -> tuple[int, int]:
 def explicit_vocab_start(spec: CaseSpec, tp_rank: int) -> int | None:
     """None (lce's default ``rank * V_local``) for equal shards, else the rank's first id."""
     return None if spec.even_shards else vocab_range(spec, tp_rank)[0]
-
-
-def with_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
-    """The same values as ``tensor`` stored ``contiguous``, ``transposed`` (last two dims) or
-    ``sliced`` (a window of a wider buffer); both non-contiguous layouts keep autograd leaves."""
-    if layout == "transposed" and tensor.dim() >= 2:
-        return tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
-    if layout == "sliced":
-        wide = torch.zeros(
-            *tensor.shape[:-1], tensor.shape[-1] + 3, dtype=tensor.dtype, device=tensor.device
-        )
-        wide[..., 1:-2] = tensor
-        return wide[..., 1:-2]
-    return tensor.clone()
 
 
 def upstream_view(grad: torch.Tensor, spec: CaseSpec, shape: tuple[int, ...]) -> torch.Tensor:

@@ -177,6 +177,16 @@ def landmark_specs(
     return [spec.with_(backend=b) for b in backends for spec in specs]
 
 
+def landmarks_at(tp: int, backend: str) -> list[CaseSpec]:
+    """`landmark_specs` of one slice: every input class at TP degree ``tp`` (a class needing TP
+    1, tied weights, untied there; vocabularies widened to one id per rank), on ``backend``."""
+    lifted = [
+        spec.with_(tp=tp, tied=False, vocab=max(spec.vocab, tp)) if spec.tp != tp else spec
+        for spec in landmark_specs((1, tp), (backend,))
+    ]
+    return [spec for index, spec in enumerate(lifted) if spec not in lifted[:index]]
+
+
 LOW_PRECISION = (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
 NON_UNIFORM = ("random", "strided", "zero_row0", "logprob_only")  # upstreams that vary per row
 
@@ -186,17 +196,20 @@ def campaign_specs(
     backends: tuple[str, ...] = ("torch",),
     tp_sizes: tuple[int, ...] = (1,),
     pairs: tuple[tuple[str, str], ...] = DTYPE_PAIRS,
+    loss_paths: tuple[str, ...] = ("default",),
 ) -> st.SearchStrategy[CaseSpec]:
     """`case_specs`, half of the time in the precision regimes that expose a second rounding:
     a dtype below fp32 on peaked rows (a log-prob of ~0 from logits of ~|z|), an upstream that
     varies per row, many chunks (the torch backend sums each chunk's partial gradient). They come
     first (a one_of's first branch is where generation starts and shrinking goes), so a
-    campaign meets them in its first examples instead of after hundreds."""
-    general = case_specs(backends=backends, tp_sizes=tp_sizes, pairs=pairs)
+    campaign meets them in its first examples instead of after hundreds. ``loss_paths``: the
+    scalar-loss paths the implementation has (`verify.cases.spec.LOSS_PATHS`), each drawn."""
+    drawn = {"backends": backends, "tp_sizes": tp_sizes, "loss_paths": loss_paths}
+    general = case_specs(pairs=pairs, **drawn)
     low = tuple(p for p in pairs if p in LOW_PRECISION)
     if not low:
         return general
-    precise = case_specs(backends=backends, tp_sizes=tp_sizes, pairs=low).map(_second_rounding)
+    precise = case_specs(pairs=low, **drawn).map(_second_rounding)
     return st.one_of(precise, general)
 
 

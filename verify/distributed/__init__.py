@@ -6,7 +6,7 @@ payload; every rank of a TP subgroup builds its own tensors from the payload and
 
 from verify.distributed.errors import PoolError, WorkerDied, WorkerError, WorkerHung
 from verify.distributed.pool import WorkerPool
-from verify.distributed.seam import Pool, needs_pool, open_pool
+from verify.distributed.seam import Pool, open_pool
 from verify.distributed.worker import JobContext
 
 __all__ = [
@@ -17,6 +17,5 @@ __all__ = [
     "WorkerError",
     "WorkerHung",
     "WorkerPool",
-    "needs_pool",
     "open_pool",
 ]

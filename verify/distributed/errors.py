@@ -61,7 +61,7 @@ class WorkerDied(PoolError):
     """The process of ``rank`` exited; ``exit_code`` as subprocess reports it (negative: signal)."""
 
     def __init__(self, *, rank: int, exit_code: int | None, job: str | None, payload: Any) -> None:
-        message = f"rank {rank} died {_during(job, payload)} ({_exit_text(exit_code)})"
+        message = f"rank {rank} died {_during(job, payload)} ({exit_text(exit_code)})"
         super().__init__(message, rank=rank, job=job, payload=payload)
         self.exit_code = exit_code
 
@@ -95,7 +95,8 @@ def _during(job: str | None, payload: Any) -> str:
     return f"while running {describe(job, payload)}"
 
 
-def _exit_text(exit_code: int | None) -> str:
+def exit_text(exit_code: int | None) -> str:
+    """How a process ended, in words: ``killed by SIGABRT``, ``exit code 3``."""
     if exit_code is None:
         return "exit code unknown"
     if exit_code < 0:

@@ -110,6 +110,11 @@ class WorkerPool:
             self._seq = dispatch.seq
         return results
 
+    def reset(self) -> None:
+        """Kill the workers now; the next job starts fresh ones (after a job that left its
+        process unusable, e.g. a CUDA context broken by an illegal memory access)."""
+        self._discard()
+
     def close(self) -> None:
         """Stop the workers (Shutdown, then SIGKILL after a grace) and remove the temp dir."""
         self._closed = True

@@ -1,13 +1,13 @@
-"""The seam between the harness and its workers: the `Pool` protocol and when a case needs one.
+"""The seam between the harness and its workers: the `Pool` protocol, and opening one.
 
 `verify.distributed.WorkerPool` (spawned workers) and `verify.distributed.torchrun_pool.
-TorchrunPool` (a torchrun world) both satisfy `Pool`; `needs_pool` is the one rule for where a case
-runs, `open_pool` opens workers when that rule asks for them.
+TorchrunPool` (a torchrun world) both satisfy `Pool`. Every case a campaign, a replay or the
+self-test runs goes to a pool, at TP = 1 too: the implementation under test never runs in the
+driver (a crash or a hang takes down a worker, not the harness).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -25,15 +25,11 @@ class Pool(Protocol):
     ) -> list[Any]: ...
 
 
-def needs_pool(tp: int, device: str) -> bool:
-    """Whether a case at TP degree ``tp`` on ``device`` runs in workers: TP > 1 needs one process
-    per rank, and on CUDA every case does (each worker owns its GPU; the driver stays off CUDA)."""
-    return tp > 1 or device == "cuda"
+# Modules a case's worker imports before it says it is ready, so that the first case's deadline
+# does not pay for them (lce, the harness's case job and its cases).
+CASE_MODULES = ("verify.execution.execute",)
 
 
-def open_pool(tp: int, device: str) -> contextlib.AbstractContextManager[Pool | None]:
-    """Workers for TP degrees up to ``tp`` on ``device`` when `needs_pool` asks for them, else a
-    context holding None (everything runs in this process)."""
-    if needs_pool(tp, device):
-        return WorkerPool(world_size=tp, device=device)
-    return contextlib.nullcontext(None)
+def open_pool(tp: int, device: str, preload: Sequence[str] = CASE_MODULES) -> WorkerPool:
+    """Workers for TP degrees up to ``tp`` on ``device`` (use it as a context manager)."""
+    return WorkerPool(world_size=tp, device=device, preload=tuple(preload))

@@ -15,11 +15,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from verify.adapters.interface import Adapter, Call
+from verify.adapters.registry import resolve
 from verify.cases.build import Problem, build
 from verify.cases.rank_inputs import RankInputs, rank_inputs, upstream_view
 from verify.cases.spec import CaseSpec
-from verify.execution.interface import Adapter, Call
-from verify.running import stage_timing
+from verify.execution import stage_timing
+from verify.execution.mutants import applied
 
 CASE_JOB = "verify.execution.execute:case_job"
 
@@ -54,8 +56,6 @@ def case_payload(spec: CaseSpec, impl: str = "lce", mutant: str | None = None) -
 
 def case_job(payload: dict[str, Any], rank: Rank) -> dict[str, Any]:
     """A worker's entry: ``payload`` from `case_payload`."""
-    from verify.execution.selection import resolve
-
     return run_payload(payload, rank, resolve(payload["impl"]))
 
 
@@ -69,14 +69,8 @@ def run_payload(payload: dict[str, Any], rank: Rank, adapter: Adapter) -> dict[s
         raise ValueError(f"spec.tp={spec.tp} but the job runs on a TP group of {rank.tp_size}")
     mutant = payload.get("mutant")
     stage_timing.watch_triton_compiles()
-    with stage_timing.recording() as clock:
-        if mutant is None:
-            result = execute(spec, rank, adapter)
-        else:
-            from verify.running.mutants import applied  # planted bugs patch lce: self-tests only
-
-            with applied(mutant):
-                result = execute(spec, rank, adapter)
+    with stage_timing.recording() as clock, applied(mutant):
+        result = execute(spec, rank, adapter)
     return {**result, "timing": clock.take()}
 
 
@@ -102,7 +96,21 @@ def execute(spec: CaseSpec, rank: Rank, adapter: Adapter) -> dict[str, Any]:
         with stage_timing.stage("transfer"):
             return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
     except adapter.refusals as exc:
+        if fatal_device_error(exc):
+            raise  # the process's device is unusable: a crash, not a refusal of the input
         return {"status": "raised", "error_type": type(exc).__name__, "error": str(exc)[:500]}
+
+
+# What a device error says when it leaves the process's CUDA context unusable (every later call
+# fails): a crash of the implementation, like a signal, never a refusal of its input.
+FATAL_DEVICE_ERRORS = ("CUDA error", "device-side assert", "illegal memory access")
+
+
+def fatal_device_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a device error after which this process cannot run CUDA work."""
+    return type(exc).__name__ == "AcceleratorError" or any(
+        text in str(exc) for text in FATAL_DEVICE_ERRORS
+    )
 
 
 def on_device(problem: Problem, device: torch.device) -> Problem:

@@ -171,19 +171,17 @@ def baseline(
     temperature: float = 1.0,
     grad_logprob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
-    layouts: tuple[str, str] = ("contiguous", "contiguous"),
 ) -> Reference:
     """B: what a user runs instead — logits materialized in weight's dtype (a BLAS GEMM), then
-    fp32 softmax and autograd. Same arguments as `reference`, and ``layouts``: how hidden and
-    weight are stored (`verify.cases.rank_inputs.with_layout`), as the implementation gets them:
-    a BLAS sums a transposed operand's dots in another order (an fp32 logit off by 4.8e-6
-    instead of 9.6e-7 at |z| 38), which B on the same storage shares. Results are float64.
+    fp32 softmax and autograd. Same arguments as `reference`, but ``hidden`` (already in weight's
+    dtype) and ``weight`` stored as the implementation gets them
+    (`verify.cases.layouts.with_layout`): a BLAS sums a transposed operand's dots in another order
+    (an fp32 logit off by 4.8e-6 instead of 9.6e-7 at |z| 38), which B on the same storage
+    shares. Results are float64.
     """
-    from verify.cases.rank_inputs import with_layout
-
     math_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    h = with_layout(hidden.detach().to(weight.dtype), layouts[0]).requires_grad_()
-    w = with_layout(weight.detach(), layouts[1]).requires_grad_()
+    h = hidden.detach().to(weight.dtype).requires_grad_()
+    w = weight.detach().requires_grad_()
     logp_all = torch.log_softmax((h @ w.T).to(math_dtype) / temperature, dim=-1)
     logprobs, entropy, valid, _ = _per_token(
         logp_all, logp_all.exp(), targets, ignore_index, torch.sum

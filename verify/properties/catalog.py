@@ -1,10 +1,19 @@
-"""Every property by name: its family and its check ``(spec, runner) -> list[PropertyVerdict]``."""
+"""Every property by name, with everything about it declared once (the OpInfo way): its check,
+which specs it says something about, what an implementation must claim for it to apply, the extra
+runs (transforms) it makes, and whether the mutation self-test uses it.
+
+`applicable` derives, for an adapter, the properties to search and the "not tested" list;
+`verify.running.engine.check_case` calls a property's check only on specs it `applies` to.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from verify.adapters.features import Untested
+from verify.adapters.interface import Adapter
 from verify.cases.spec import CaseSpec
 from verify.execution.runner import Runner
 from verify.properties import (
@@ -21,40 +30,149 @@ Check = Callable[[CaseSpec, Runner], list[PropertyVerdict]]
 
 
 @dataclass(frozen=True)
+class Need:
+    """What an implementation must offer for a property to say anything about it."""
+
+    holds: Callable[[Adapter, tuple[int, ...]], bool]
+    reason: str  # why the property is not tested when it does not hold
+
+
+@dataclass(frozen=True)
 class Property:
+    """``applies(spec)``: the property has something to check on this (valid) spec; ``faults``:
+    it checks invalid specs (``spec.fault != "none"``) instead of valid ones."""
+
     name: str
     family: str  # differential | metamorphic | peer | status
     check: Check
-    doc: str
+    applies: Callable[[CaseSpec], bool] = lambda spec: True
+    needs: tuple[Need, ...] = ()
+    transforms: tuple[str, ...] = ()  # the related cases it runs (`CaseSpec.transform`)
+    selftest: bool = True  # searched by the mutation self-test (`verify.running.selftest`)
+    faults: bool = False
+
+    @property
+    def doc(self) -> str:
+        return (self.check.__doc__ or "").strip().splitlines()[0]
+
+    def gap(self, adapter: Adapter, tp_sizes: tuple[int, ...]) -> str | None:
+        """Why the property says nothing about ``adapter`` at ``tp_sizes`` (None: it applies)."""
+        declared = dict(adapter.skip).get(self.name)
+        if declared is not None:
+            return declared
+        return next((n.reason for n in self.needs if not n.holds(adapter, tp_sizes)), None)
+
+    def covers(self, spec: CaseSpec) -> bool:
+        """The property checks ``spec``: valid or faulty as it expects, and it applies."""
+        return (spec.fault != "none") == self.faults and self.applies(spec)
 
 
-def _entry(name: str, family: str, check: Check) -> Property:
-    return Property(name, family, check, (check.__doc__ or "").strip().splitlines()[0])
+def _claims(name: str, reason: str) -> Need:
+    return Need(lambda adapter, tps: bool(getattr(adapter.capabilities, name)), reason)
+
+
+def _outputs(*names: str) -> Need:
+    return Need(lambda adapter, tps: set(names) <= set(adapter.outputs), f"no {names[0]} output")
+
+
+TP = Need(lambda a, tps: a.capabilities.tensor_parallel and max(tps) > 1, "needs TP and a pool")
+
+
+def _power_of_two_temperature(spec: CaseSpec) -> bool:
+    mantissa, _ = math.frexp(spec.temperature)
+    return spec.temperature != 1.0 and mantissa == 0.5 and not spec.tied
 
 
 PROPERTIES: dict[str, Property] = {
     p.name: p
     for p in (
-        _entry("differential", "differential", differential.differential),
-        _entry("contract", "differential", differential.contract),
-        _entry("double_backward", "differential", double_backward.double_backward),
-        _entry("tp_invariance", "metamorphic", metamorphic.tp_invariance),
-        _entry("chunk_invariance", "metamorphic", metamorphic.chunk_invariance),
-        _entry("vocab_permutation", "metamorphic", metamorphic.vocab_permutation),
-        _entry("shift_invariance", "metamorphic", metamorphic.shift_invariance),
-        _entry("entropy_targets", "metamorphic", metamorphic.entropy_target_independence),
-        _entry("upstream_linearity", "metamorphic", metamorphic.upstream_linearity),
-        _entry("ignored_rows", "metamorphic", metamorphic.ignored_rows_irrelevant),
-        _entry("tied_untied", "metamorphic", metamorphic.tied_untied),
-        _entry("temperature", "metamorphic", metamorphic.temperature_equivariance),
-        _entry("reduction", "metamorphic", metamorphic.reduction_consistency),
-        _entry("determinism", "metamorphic", metamorphic.determinism),
-        _entry("torch_peer", "peer", peers.torch_peer),
-        _entry("megatron_peer", "peer", peers.megatron_peer),
-        _entry("status", "status", status.status_agreement),
-        _entry("main_grad", "differential", main_grad.main_grad_accumulation),
+        Property("differential", "differential", differential.differential),
+        Property("contract", "differential", differential.contract),
+        Property(
+            "double_backward", "differential", double_backward.double_backward,
+            applies=lambda s: s.tp == 1,
+            needs=(Need(lambda a, tps: a.capabilities.double_backward is not None,
+                        "no double-backward contract claimed"),),
+            selftest=False,
+        ),
+        Property(
+            "tp_invariance", "metamorphic", metamorphic.tp_invariance,
+            applies=lambda s: s.tp > 1, needs=(TP,),
+        ),
+        Property(
+            "chunk_invariance", "metamorphic", metamorphic.chunk_invariance,
+            applies=lambda s: s.backend == "torch" and s.num_tokens >= 2,
+            needs=(_claims("chunk_size", "no chunk size to vary"),),
+        ),
+        Property(
+            "vocab_permutation", "metamorphic", metamorphic.vocab_permutation,
+            applies=lambda s: s.vocab >= 2, transforms=("vocab_permute",),
+        ),
+        Property(
+            # tied: the embedding feeds weight's offset column into hidden (not common)
+            "shift_invariance", "metamorphic", metamorphic.shift_invariance,
+            applies=lambda s: s.regime in ("offset", "negative") and not s.tied,
+            transforms=("unshift",),
+        ),
+        Property(
+            "entropy_targets", "metamorphic", metamorphic.entropy_target_independence,
+            needs=(_outputs("entropy"),), transforms=("retarget",),
+        ),
+        Property(
+            "upstream_linearity", "metamorphic", metamorphic.upstream_linearity,
+            applies=lambda s: s.grads != "none",
+            transforms=metamorphic.LINEARITY_RUNS,
+        ),
+        Property(
+            "ignored_rows", "metamorphic", metamorphic.ignored_rows_irrelevant,
+            applies=lambda s: s.ignore != "none" and s.num_tokens > 0,
+            needs=(_claims("ignore_index", "ignore_index not claimed"),),
+            transforms=("perturb_ignored",),
+        ),
+        Property(
+            "tied_untied", "metamorphic", metamorphic.tied_untied,
+            applies=lambda s: s.tied and s.grads in ("both", "twice"),
+            needs=(_claims("tied", "tied weights not claimed"),), transforms=("untie",),
+        ),
+        Property(
+            "temperature", "metamorphic", metamorphic.temperature_equivariance,
+            applies=_power_of_two_temperature,
+            needs=(_claims("temperature", "temperature not claimed"),),
+            transforms=("fold_temperature",),
+        ),
+        Property(
+            "reduction", "metamorphic", metamorphic.reduction_consistency,
+            needs=(Need(
+                lambda a, tps: {"logprobs", "loss"} <= set(a.outputs)
+                and a.contract.outputs == "fp32",
+                "needs fp32 log-probs and loss (its bound is an fp32 sum's rounding)",
+            ),),
+        ),
+        Property(
+            "determinism", "metamorphic", metamorphic.determinism,
+            needs=(_claims("deterministic", "bit-identical reruns not claimed"),), selftest=False,
+        ),
+        Property(
+            "torch_peer", "peer", peers.torch_peer, applies=peers.torch_peer_applies,
+            needs=(_outputs("loss"),), selftest=False,
+        ),
+        Property(
+            "megatron_peer", "peer", peers.megatron_peer, applies=peers.megatron_peer_applies,
+            needs=(TP,), selftest=False,
+        ),
+        Property(
+            "status", "status", status.status_agreement,
+            needs=(_claims("validates_inputs", "input validation not claimed"),),
+            selftest=False, faults=True,
+        ),
+        Property(
+            "main_grad", "differential", main_grad.main_grad_accumulation,
+            needs=(Need(lambda a, tps: "main_grad" in a.capabilities.loss_paths,
+                        "no main_grad loss path claimed"),),
+            selftest=False,
+        ),
     )
-}
+}  # fmt: skip
 
 
 def get(name: str) -> Property:
@@ -62,3 +180,21 @@ def get(name: str) -> Property:
     if name not in PROPERTIES:
         raise ValueError(f"unknown property {name!r}; known: {', '.join(PROPERTIES)}")
     return PROPERTIES[name]
+
+
+def applicable(
+    adapter: Adapter, tp_sizes: tuple[int, ...], names: tuple[str, ...] = ()
+) -> tuple[tuple[str, ...], list[Untested]]:
+    """The properties (of ``names``, default all) that say something about ``adapter`` at
+    ``tp_sizes``, and those that do not, with the reason."""
+    chosen, untested = [], []
+    for name in names or tuple(PROPERTIES):
+        gap = get(name).gap(adapter, tp_sizes)
+        if gap is None:
+            chosen.append(name)
+        else:
+            untested.append(Untested(f"property {name}", gap))
+    return tuple(chosen), untested
+
+
+SELFTEST_PROPERTIES = tuple(name for name, p in PROPERTIES.items() if p.selftest)

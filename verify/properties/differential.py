@@ -10,7 +10,7 @@ from verify.cases.spec import DTYPES, CaseSpec
 from verify.execution.outcome import TOLERANCE_OUTPUT, KernelRun
 from verify.execution.runner import Runner
 from verify.numerics.tolerances import load
-from verify.properties.expected import expected
+from verify.properties.oracle import oracle
 from verify.properties.verdict import PropertyVerdict, exact_check, flag, refused, tolerance_check
 
 PER_TOKEN = ("logprobs", "entropy", "loss", "grad_hidden", "loss_grad_hidden")
@@ -21,7 +21,7 @@ def differential(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     run = runner.run(spec)
     if run.status != "ok":
         return [refused("differential", spec, run.error)]
-    exp = expected(spec)
+    exp = oracle(spec)
     tols = load()
     return [
         tolerance_check(
@@ -49,7 +49,7 @@ def contract(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     if spec.grads == "twice":
         same = "second backward (retain_graph) bit-equal to the first"
         verdicts.append(flag("contract", spec, "second_backward", run.twice_equal, same))
-    ignored = ~expected(spec).problem.valid
+    ignored = ~oracle(spec).valid
     if bool(ignored.any()):
         rel = load().exact["ignored"]
         for name, value in run.outputs.items():

@@ -1,25 +1,32 @@
 """Double backward (a backward with ``create_graph=True``): right, or refused with a clear error.
 
-lce's contract: the torch backend's default path without TP supports it, per-token outputs and
-the scalar loss alike (checked in float64 along random directions against central differences);
-every other path raises a RuntimeError naming double backward and ``create_graph``. The check runs
-in this process on the pool's device (CUDA in a GPU campaign: Triton needs CUDA tensors there).
-A path that does neither (returns second-order terms without being right) fails, whatever the
-backend: a silent zero was the bug this property was written for.
+For implementations that claim a double-backward contract (`Capabilities.double_backward`: the
+backends where it works, without TP, on the default loss path; lce: its torch backend): where
+claimed, per-token outputs and the scalar loss are checked in float64 along random directions
+against central differences; everywhere else the implementation must raise a RuntimeError naming
+double backward and ``create_graph``. A path that does neither (returns second-order terms without
+being right) fails: a silent zero was the bug this property was written for. The check runs in a
+worker like every case (`Runner.run_job`), on its device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-import lce
+from verify.adapters.interface import Adapter, Call
+from verify.adapters.registry import resolve
 from verify.cases.build import build
+from verify.cases.rank_inputs import effective_temperature
 from verify.cases.spec import CaseSpec
+from verify.execution.execute import LocalRank, Rank
+from verify.execution.mutants import applied
 from verify.execution.runner import Runner
 from verify.properties.verdict import PropertyVerdict, flag
 
+JOB = "verify.properties.double_backward:double_backward_job"
 # Both must appear in the refusal: what is unsupported and the switch that asks for it.
 REFUSAL_WORDS = ("double backward", "create_graph")
 # Central differences in fp64: truncation ~ FD_STEP^2 |third derivative| and rounding ~ 1e-16 /
@@ -30,35 +37,52 @@ SECOND_ORDER_RTOL = 1e-5
 
 def double_backward(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """Second-order gradients match finite differences (fp64) where supported, else refused."""
-    if spec.tp > 1 or spec.fault != "none" or runner.adapter.name != "lce":
-        return []
-    from verify.running.mutants import applied  # planted bugs patch lce: self-tests only
+    payload = {"spec": spec.to_json(), "impl": runner.adapter.ref, "mutant": runner.mutant}
 
+    def here() -> list[Any]:
+        local = LocalRank(torch.device(runner.adapter.device))
+        return [check_double_backward(spec, runner.adapter, runner.mutant, local)]
+
+    return runner.run_job(JOB, payload, spec, here)[0]
+
+
+def double_backward_job(payload: dict[str, Any], rank: Rank) -> list[PropertyVerdict]:
+    """A worker's entry: the check on this worker's device."""
+    spec = CaseSpec.from_json(payload["spec"])
+    return check_double_backward(spec, resolve(payload["impl"]), payload["mutant"], rank)
+
+
+def check_double_backward(
+    spec: CaseSpec, adapter: Adapter, mutant: str | None, rank: Rank
+) -> list[PropertyVerdict]:
+    """The verdicts of both paths (per-token outputs, the spec's loss) on ``rank.device``."""
     problem = build(spec)
-    # Triton computes in fp32 at most: it is checked for its refusal, on the spec's dtypes.
-    dtype = torch.float64 if spec.backend == "torch" else problem.weight.dtype
-    device = torch.device(runner.pool.device if runner.pool is not None else "cpu")
+    supported = spec.backend in (adapter.capabilities.double_backward or ())
+    # Where it is claimed, checked in fp64; elsewhere (lce's Triton computes in fp32 at most)
+    # for its refusal, on the spec's dtypes.
+    dtype = torch.float64 if supported else problem.weight.dtype
+    device = torch.device(rank.device)
     hidden, weight = (
         t.detach().to(device, dtype).requires_grad_() for t in (problem.hidden, problem.weight)
     )
     targets = problem.targets.to(device)
-    options = dict(
-        ignore_index=problem.ignore_index, temperature=spec.temperature, backend=spec.backend,
-        chunk_size=spec.chunk_size,
-    )  # fmt: skip
 
-    def tokens(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(lce.token_logprobs(h, w, targets, **options))
+    def call(h: torch.Tensor, w: torch.Tensor) -> Call:
+        return Call(
+            h, w, targets, problem.ignore_index, effective_temperature(spec),
+            backend=spec.backend, chunk_size=spec.chunk_size,
+        )  # fmt: skip
 
-    def loss(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return lce.linear_cross_entropy(h, w, targets, reduction=spec.reduction, **options)
-
-    supported = spec.backend == "torch"
-    with applied(runner.mutant):
-        return [
-            _check(spec, "token_outputs", tokens, (hidden, weight), must_work=supported),
-            _check(spec, f"loss_{spec.reduction}", loss, (hidden, weight), must_work=supported),
-        ]
+    paths: list[tuple[str, Callable[..., Any]]] = []
+    if adapter.token_outputs is not None:
+        names = [n for n in ("logprobs", "entropy") if n in adapter.outputs]
+        tokens = adapter.token_outputs
+        paths.append(("token_outputs", lambda h, w: tuple(tokens(call(h, w))[n] for n in names)))
+    if adapter.loss is not None:
+        loss = adapter.loss
+        paths.append((f"loss_{spec.reduction}", lambda h, w: loss(call(h, w), spec.reduction)))
+    with applied(mutant):
+        return [_check(spec, path, fn, (hidden, weight), must_work=supported) for path, fn in paths]
 
 
 def _check(

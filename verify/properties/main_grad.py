@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from verify.adapters.builtin import MAIN_GRAD_ASSUMED_LOSS_GRAD, main_grad_old_content
 from verify.cases.rank_inputs import vocab_range
 from verify.cases.spec import CaseSpec
-from verify.execution.builtin import MAIN_GRAD_ASSUMED_LOSS_GRAD, main_grad_old_content
 from verify.execution.outcome import TOLERANCE_OUTPUT
 from verify.execution.runner import Runner
 from verify.numerics.tolerances import load
-from verify.properties.expected import Expected, expected, gradient_magnitudes, loss_magnitudes
+from verify.properties.oracle import Oracle, oracle
 from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
 
 OUTPUTS = ("loss", "loss_grad_hidden", "loss_grad_weight")
@@ -21,7 +21,7 @@ def main_grad_accumulation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdi
     """main_grad gains the loss's weight gradient on top of its old content (tiers 1-2 vs R).
 
     The case runs with ``loss_path="main_grad"``: main_grad starts with random old content at the
-    weight's scale and the adapter reports what it gained (`verify.execution.builtin`), so a path
+    weight's scale and the adapter reports what it gained (`verify.adapters.builtin`), so a path
     that overwrites, drops or double-counts the old content, or adds a wrong gradient, fails here
     (with the loss and grad_hidden of the same call). What it gained also carries the buffer's
     own rounding (`buffer_rounding`), which the weight gradient's tiers are granted on top.
@@ -33,8 +33,8 @@ def main_grad_accumulation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdi
     run = runner.run(spec)
     if run.status != "ok":
         return [flag("main_grad", spec, "status", False, f"refused a valid case: {run.error}")]
-    exp, tols = expected(spec), load()
-    extra = {"loss_grad_weight": buffer_rounding(spec, exp)} if on_path else {}
+    exp, tols = oracle(spec), load()
+    extra = {"loss_grad_weight": buffer_rounding(exp)} if on_path else {}
     return [
         tolerance_check(
             "main_grad",
@@ -51,7 +51,7 @@ def main_grad_accumulation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdi
     ]
 
 
-def buffer_rounding(spec: CaseSpec, exp: Expected) -> torch.Tensor:
+def buffer_rounding(exp: Oracle) -> torch.Tensor:
     """Elementwise bound ``gamma_n * (|old| + M_a + M)`` on the rounding main_grad's gain carries.
 
     main_grad ends as a floating-point sum of its old content and the rows' terms, in whatever
@@ -65,7 +65,7 @@ def buffer_rounding(spec: CaseSpec, exp: Expected) -> torch.Tensor:
     of the true gradient (``M``). ``u`` is main_grad's (fp32; fp64 for fp64 weights). Rows of an
     ignored token add exact zeros; the gradient's own rounding is the tiers' business.
     """
-    problem = exp.problem
+    spec, problem = exp.spec, exp.problem
     shards = [problem.weight[slice(*vocab_range(spec, rank))] for rank in range(spec.tp)]
     old = torch.cat([main_grad_old_content(shard) for shard in shards])
     valid = problem.valid
@@ -74,8 +74,8 @@ def buffer_rounding(spec: CaseSpec, exp: Expected) -> torch.Tensor:
     additions = int(valid.sum()) + 2 * int(differs.sum()) + 1
     unit = torch.finfo(old.dtype).eps / 2
     gamma = additions * unit / (1 - additions * unit)
-    true_terms = gradient_magnitudes(spec)["loss_grad_weight"]
+    true_terms = exp.magnitudes["loss_grad_weight"]
     assumed_terms = true_terms  # the same upstream on every valid row: the same terms
     if differs.any():
-        assumed_terms = loss_magnitudes(spec, MAIN_GRAD_ASSUMED_LOSS_GRAD)[1]
+        assumed_terms = exp.loss_magnitudes(MAIN_GRAD_ASSUMED_LOSS_GRAD)[1]
     return gamma * (old.double().abs() + assumed_terms + true_terms)

@@ -24,13 +24,13 @@ from verify.cases.build import build
 from verify.cases.rank_inputs import effective_temperature, vocab_range
 from verify.cases.spec import CaseSpec
 from verify.distributed.errors import WorkerError
+from verify.execution import stage_timing
 from verify.execution.outcome import TOLERANCE_OUTPUT
 from verify.execution.runner import Runner
 from verify.numerics.reference import loss_upstream_grad
 from verify.numerics.tolerances import load
-from verify.properties.expected import expected
+from verify.properties.oracle import oracle
 from verify.properties.verdict import PropertyVerdict, refused, tolerance_check
-from verify.running import stage_timing
 
 MEGATRON_JOB = "verify.properties.peers:megatron_job"
 
@@ -41,7 +41,7 @@ def _against_peer(
     run = runner.run(spec)
     if run.status != "ok":
         return [refused(prop, spec, run.error)]
-    ref, tols = expected(spec).ref, load()
+    ref, tols = oracle(spec).ref, load()
     return [
         tolerance_check(
             prop,
@@ -57,12 +57,14 @@ def _against_peer(
     ]
 
 
+def torch_peer_applies(spec: CaseSpec) -> bool:
+    """torch has the peer (>= 2.13) and the case is one it computes (no temperature, untied)."""
+    plain = spec.temperature == 1.0 and not spec.tied and spec.transform == "none"
+    return hasattr(F, "linear_cross_entropy") and plain
+
+
 def torch_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """lce's loss and its gradients vs R, with torch's linear_cross_entropy as the baseline."""
-    if not hasattr(F, "linear_cross_entropy") or spec.temperature != 1.0 or spec.tied:
-        return []
-    if spec.fault != "none" or spec.transform != "none":
-        return []
     with stage_timing.stage("peer"):
         problem = build(spec)
         hidden = problem.hidden.to(problem.weight.dtype).requires_grad_()
@@ -81,14 +83,17 @@ def torch_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     return _against_peer("torch_peer", spec, runner, peer)
 
 
+def megatron_peer_applies(spec: CaseSpec) -> bool:
+    """megatron-core is installed and computes the case: equal shards (its own limit), untied,
+    at least one token."""
+    plain = not spec.tied and spec.transform == "none" and spec.num_tokens > 0
+    return plain and spec.even_shards and megatron_installed()
+
+
 def megatron_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """lce's log-probs and loss gradients vs R, megatron-core as the baseline (TP on the pool)."""
-    if runner.pool is None or spec.tp not in runner.tp_sizes or not spec.even_shards:
-        return []
-    if spec.tied or spec.fault != "none" or spec.transform != "none" or spec.num_tokens == 0:
-        return []
-    if not megatron_installed():
-        return []
+    if runner.pool is None or spec.tp not in runner.tp_sizes:
+        return []  # a runner in this process (tests): no TP group to run megatron-core on
     with stage_timing.stage("peer"):
         try:
             results = runner.pool.run(MEGATRON_JOB, {"spec": spec.to_json()}, tp=spec.tp)

@@ -18,11 +18,13 @@ import torch
 from verify.cases.spec import CaseSpec
 from verify.numerics.compare import Verdict, compare, nonfinite_mismatch, ratio
 from verify.numerics.tolerances import Tolerance
-from verify.properties.expected import gradient_subnormal_bounds, logit_scales
+from verify.properties.oracle import oracle
 
 # Tier of a verdict that records an exception raised by a property's own code: a bug of the
 # harness, not a verdict on the implementation (reported apart, with its own exit code).
 HARNESS = "harness"
+# Tiers of a verdict that records the implementation crashing or hanging (`ImplementationFault`).
+FAULTS = ("crash", "hang")
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class PropertyVerdict:
 
     property: str
     output: str
-    tier: str  # ratio | envelope | nonfinite | exact | status
+    tier: str  # ratio | envelope | nonfinite | exact | status | crash | hang | harness
     passed: bool
     measured: float
     allowed: float
@@ -83,9 +85,12 @@ def tolerance_check(
     """Tiers 1-2 of tolerances.yaml: ``kernel`` vs float64 ``ref``; ``base`` is B's value;
     ``runs`` and ``extra`` as in `verify.numerics.compare.compare`. ``columns``: judge only these
     columns of a 2-D output (its logit scale cut alike). ``dot_rounding``: the logit term
-    counts each dot's summation rounding (see `verify.properties.expected.logit_scales`)."""
-    scale = logit_scales(spec, dot_rounding).get(output) if spec.fault == "none" else None
-    subnormal = gradient_subnormal_bounds(spec).get(output) if spec.fault == "none" else None
+    counts each dot's summation rounding (see `verify.properties.oracle.logit_scales`)."""
+    scale = subnormal = None
+    if spec.fault == "none":
+        known = oracle(spec)
+        scale = known.logit_scales(dot_rounding).get(output)
+        subnormal = known.subnormal_bounds.get(output)
     if subnormal is not None and subnormal.numel() == ref.numel():
         # tensors of the spec's problem only (tests of the tiers pass others)
         subnormal = subnormal.reshape(ref.shape)
@@ -189,6 +194,22 @@ def harness_error(prop: str, spec: CaseSpec, exc: BaseException) -> PropertyVerd
         f"{type(exc).__name__}: {first} (a harness bug, not a verdict on the implementation)",
         spec.to_json(), traceback="".join(format_exception(exc)),
     )  # fmt: skip
+
+
+def fault_verdict(
+    prop: str, spec: CaseSpec, kind: str, detail: str, on: CaseSpec
+) -> PropertyVerdict:
+    """The implementation crashed or hung (``kind``, confirmed on a fresh worker) while ``prop``
+    ran ``on`` (``spec`` or a case it derives from it): a failing verdict of that tier."""
+    where = "" if on == spec else f" (on the case it derives: {on.to_json()})"
+    return PropertyVerdict(
+        prop, "process", kind, False, math.inf, 0.0, math.inf, detail + where, spec.to_json()
+    )
+
+
+def is_fault(verdict: PropertyVerdict) -> bool:
+    """Whether ``verdict`` records a crash or a hang of the implementation."""
+    return verdict.tier in FAULTS
 
 
 # Detail prefix of a verdict recording that the implementation raised on a valid case.

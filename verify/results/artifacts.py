@@ -24,9 +24,13 @@ from typing import Any
 
 import torch
 
+from verify.adapters.interface import Adapter
 from verify.cases.spec import WRITTEN_WHEN_SET, CaseSpec
+from verify.execution.mutants import MUTANTS
 from verify.numerics.tolerances import EXACT_FIELDS, FIELDS, OUTPUTS, Tolerances
 from verify.numerics.tolerances import load as load_tolerances
+from verify.properties.catalog import PROPERTIES
+from verify.properties.oracle import oracle
 
 SCHEMA = "lce-failure"
 SCHEMA_VERSION = 1
@@ -73,8 +77,6 @@ def versions() -> dict[str, str | None]:
 def device_description(device: str = "cpu") -> str:
     """``cpu (x86_64, Linux)`` or the CUDA device's name; what a reader needs to reproduce."""
     if device.startswith("cuda"):
-        import torch
-
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return f"cpu ({platform.machine()}, {platform.system()})"
 
@@ -131,10 +133,9 @@ def reference_output_sha256(spec: CaseSpec) -> dict[str, str] | None:
 
 
 def _reference_outputs(spec: CaseSpec) -> dict[str, torch.Tensor] | None:
-    from verify.properties.expected import expected
 
     try:
-        return expected(spec).ref
+        return oracle(spec).ref
     except Exception:  # the reference is evidence, not a requirement: never block saving
         return None
 
@@ -181,12 +182,16 @@ def make_record(
     mutant: str | None = None,
     examples: int | None = None,
     tolerances: Tolerances | None = None,
+    impl: Adapter | None = None,
+    example_deadline_s: float | None = None,
 ) -> dict[str, Any]:
-    """The artifact dict of a failure of property ``prop`` on ``spec`` (backend and TP from spec).
+    """The artifact dict of a failure of property ``prop`` on ``spec`` (backend and TP from spec)
+    by the implementation ``impl`` (None: lce).
 
     ``error`` carries an exception's one-line summary when the case raised instead of returning
     verdicts; ``mutant`` names a planted bug when the failure was found with one active;
-    ``examples`` is how many examples the search ran before this failure.
+    ``examples`` is how many examples the search ran before this failure;
+    ``example_deadline_s`` the per-example deadline then (a hang's replay waits as long).
     """
     records = [verdict_record(v) for v in verdicts]
     outputs = [str(r.get("output")) for r in records]
@@ -194,6 +199,8 @@ def make_record(
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "property": prop,
+        "impl": (impl.ref or impl.name) if impl is not None else "lce",
+        "label": impl.label(spec.backend) if impl is not None else f"lce-{spec.backend}",
         "backend": spec.backend,
         "tp": spec.tp,
         "dtype": spec.dtype_key,
@@ -203,6 +210,7 @@ def make_record(
         "shrunk": shrunk,
         "mutant": mutant,
         "examples": examples,
+        "example_deadline_s": example_deadline_s,
         "reference_sha256": reference_sha256(spec),
         "reference_output_sha256": reference_output_sha256(spec),
         "versions": versions(),
@@ -229,7 +237,7 @@ def write(record: dict[str, Any], failures_dir: Path | str) -> Path:
     digest = content_hash(record)
     props = record["property"].split(",")
     label = props[0] + (f"+{len(props) - 1}" if len(props) > 1 else "")
-    stem = _slug(f"{label}-{record['backend']}-tp{record['tp']}")
+    stem = _slug(f"{label}-{record.get('label', record['backend'])}-tp{record['tp']}")
     path = directory / f"{stem}-{digest[:16]}.json"
     if path.exists():
         return path
@@ -324,9 +332,6 @@ def load(path: Path | str) -> Artifact:
 
 def _check_names(path: Path, record: dict[str, Any]) -> None:
     """The artifact's properties and planted bug exist in this verify."""
-    from verify.properties.catalog import PROPERTIES
-    from verify.running.mutants import MUTANTS
-
     unknown = [n for n in str(record["property"]).split(",") if n not in PROPERTIES]
     if unknown:
         raise ArtifactError(f"{path}: unknown property {unknown}; known: {', '.join(PROPERTIES)}")

@@ -13,15 +13,16 @@ import os
 import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verify.adapters.interface import Adapter
+from verify.execution.stage_timing import STAGES
 from verify.results.artifacts import is_failure, json_number, verdict_record
-from verify.running.stage_timing import STAGES
 
 SCHEMA = "lce-campaign-report"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: one report for every implementation (implementation, not_tested, outcome)
 SAMPLES_PER_CELL = 400  # ratios kept per output x dtype x backend for the plot (reservoir sample)
 PLOT_FILE = "ratios.png"
 # Outputs judged by measured/allowed against a tolerances.yaml entry; the worst table and the plot
@@ -93,7 +94,7 @@ class Tally:
         *,
         ended: float | None = None,
     ) -> None:
-        """One example's `verify.running.stage_timing` split (``taken``) and its wall time; the
+        """One example's `verify.execution.stage_timing` split (``taken``) and its wall time; the
         wall time no stage claimed is counted as ``other``. ``ended`` (``time.monotonic()``,
         default now) places the example on the clock, so examples of concurrent searches are
         counted once in the row's ``clock_s``."""
@@ -162,13 +163,15 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
     ]
     examples = tally.examples
     wall = float(meta.get("wall_s") or 0.0)
+    result = outcome(tally.failures, tally.errors, meta.get("interrupted"))
     return {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         **meta,
         "examples": examples,
         "examples_per_s": round(examples / wall, 3) if wall > 0 else None,
-        "passed": not tally.failures and not tally.errors and not meta.get("interrupted"),
+        "outcome": result,
+        "passed": result == "passed",
         "slices": tally.slices,
         "timing": [_timing_row(b, k, row) for (b, k), row in sorted(tally.timing.items())],
         "counts": counts,
@@ -176,6 +179,44 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
         "worst": worst,
         "failures": tally.failures,
         "errors": tally.errors,
+    }
+
+
+def outcome(failures: list[dict], errors: list[dict], interrupted: str | None) -> str:
+    """``failed`` (a check failed, or the harness raised), ``interrupted``, ``incomplete`` (no
+    check failed, but the workers or the machine faulted: infrastructure) or ``passed``."""
+    if failures:
+        return "failed"
+    if interrupted:
+        return "interrupted"
+    return "incomplete" if errors else "passed"
+
+
+HEADLINES = {
+    "passed": "PASSED",
+    "failed": "FAILED",
+    "incomplete": "INCOMPLETE (infrastructure: no check failed)",
+    "interrupted": "INTERRUPTED",
+}
+
+
+def headline(doc: dict[str, Any]) -> str:
+    """The outcome in words, for the report's title and the command's summary line."""
+    text = HEADLINES[doc["outcome"]]
+    if doc["outcome"] == "interrupted":
+        text += f" by {doc['interrupted']} (what ran until then)"
+    return text
+
+
+def implementation_record(adapter: Adapter) -> dict[str, Any]:
+    """What the report says of the implementation: its ref, name, outputs, contract, claims."""
+    return {
+        "impl": adapter.ref or adapter.name,
+        "name": adapter.name,
+        "description": adapter.description,
+        "outputs": list(adapter.outputs),
+        "contract": asdict(adapter.contract),
+        "capabilities": asdict(adapter.capabilities),
     }
 
 
@@ -230,10 +271,9 @@ def _seed_note(seed: int | None) -> str:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    """The readable report: verdict, timing, examples, worst ratios, failures, errors."""
-    verdict = "PASSED" if doc["passed"] else "FAILED"
-    if doc.get("interrupted"):
-        verdict = f"INTERRUPTED by {doc['interrupted']} (what ran until then)"
+    """The readable report: verdict, timing, examples, worst ratios, failures, errors, and what
+    was not tested."""
+    verdict = headline(doc)
     rate = doc["examples_per_s"]
     env = doc.get("environment", {})
     versions = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items() if v)
@@ -272,6 +312,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         *_failure_lines(doc["failures"]),
         *_error_lines(doc["errors"]),
+        *_untested_lines(doc.get("not_tested", [])),
     ]
     return "\n".join(lines) + "\n"
 
@@ -338,8 +379,10 @@ def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
     lines = [
         "## Failures",
         "",
-        _row(["property", "output", "backend", "TP", "dtype", "ratio", "shrunk", "artifact"]),
-        _row(["---"] * 8),
+        _row(
+            ["property", "output", "tier", "backend", "TP", "dtype", "ratio", "shrunk", "artifact"]
+        ),
+        _row(["---"] * 9),
     ]
     for f in failures:
         lines.append(
@@ -347,6 +390,7 @@ def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
                 [
                     _short_properties(f["property"]),
                     f.get("output", "?"),
+                    f.get("tier", "?"),
                     f["backend"],
                     str(f["tp"]),
                     f["dtype"],
@@ -369,6 +413,12 @@ def _error_lines(errors: list[dict[str, Any]]) -> list[str]:
     if not errors:
         return []
     return ["## Infrastructure errors", "", *(f"- {e['where']}: {e['message']}" for e in errors)]
+
+
+def _untested_lines(untested: list[dict[str, Any]]) -> list[str]:
+    if not untested:
+        return []
+    return ["", "## Not tested", "", *(f"- {u['what']}: {u['reason']}" for u in untested)]
 
 
 def _ratio_text(ratio: float) -> str:

@@ -19,7 +19,11 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
+import torch
+
+from verify.adapters.registry import resolve
 from verify.cases.spec import CaseSpec
+from verify.execution.execute import LocalRank, execute
 
 # (layout, H): TMA loads; pointer loads with H a tile multiple; pointer loads with a masked H tail.
 _SHAPES = (("contiguous", 64), ("transposed", 64), ("contiguous", 33))
@@ -53,10 +57,5 @@ def stop(executor: ProcessPoolExecutor) -> None:
 
 
 def _warm(spec_json: str) -> str:
-    import torch
-
-    from verify.execution.execute import LocalRank, execute
-    from verify.execution.selection import resolve
-
     spec = CaseSpec.from_json(spec_json)
     return execute(spec, LocalRank(torch.device("cuda", 0)), resolve("lce"))["status"]

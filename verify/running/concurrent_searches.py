@@ -4,7 +4,7 @@ A search runs one example at a time (each draw follows from the last), and on CU
 mostly host work in small steps: Hypothesis, inputs, R and B, many small kernel launches, and a
 Triton compile for every specialization it meets first. The GPU idles meanwhile, and so do most of
 the host's cores. Independent searches fill them: search ``k`` draws from its own seed (`seed_of`),
-runs the slice's ordinary search (`verify.running.campaign` ``_Slice``, the same properties and
+runs the slice's ordinary search (`verify.running.search.SliceSearch`, the same properties and
 checks) in a spawned process with its own TP=1 worker, and saves its failures' artifacts itself.
 Its tally and progress calls come back over a queue and are applied here in arrival order, so the
 campaign writes one report. Triton's disk cache is shared: a kernel one search compiled, the
@@ -26,6 +26,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from verify.adapters.interface import Adapter
+from verify.adapters.registry import resolve
+from verify.distributed.pool import WorkerPool
+from verify.distributed.seam import CASE_MODULES
+from verify.running import stopping
+from verify.running.config import CampaignConfig
+from verify.running.search import SliceSearch, slice_row
+
 # How long a search may take to save its findings and stop after SIGTERM (its pool's grace and a
 # shrink step in flight), before it is killed. Also the campaign's backstop: a search still
 # without its "done" this long after the budget's deadline plus `campaign.OVERRUN_GRACE_S` (when
@@ -38,16 +48,6 @@ EXIT_S = 10.0
 DRAIN_S = 2.0
 
 
-def default_count(device: str, tp: int, cores: int | None = None) -> int:
-    """Searches per slice when the campaign names none: on CUDA at TP=1, three per four cores,
-    at most 12 (a search's driver idles while its worker compiles a kernel, the single-threaded
-    step most examples wait on); elsewhere 1 (the CPU campaign's cores are its workers' already,
-    and a TP > 1 slice's ranks own every GPU)."""
-    if device != "cuda" or tp != 1:
-        return 1
-    return max(1, min(12, (cores or os.cpu_count() or 2) * 3 // 4))
-
-
 def seed_of(seed: int | None, index: int, stride: int) -> int | None:
     """Search ``index``'s first seed: the campaign's for search 0 (one search is the plain slice),
     then ``stride`` apart, so no search's restarts (``seed + 1``, ...) repeat another's seeds."""
@@ -58,7 +58,9 @@ def seed_of(seed: int | None, index: int, stride: int) -> int | None:
 class _Order:
     """What one search process runs (picklable)."""
 
-    config: Any  # the CampaignConfig, its seed this search's
+    config: CampaignConfig  # its seed this search's
+    impl: str  # the adapter's ref (adapters hold functions: the search process resolves it)
+    names: tuple[str, ...]
     backend: str
     tp: int
     index: int
@@ -79,21 +81,25 @@ class _Forward:
 
 
 class ConcurrentSlice:
-    """One backend x TP slice searched by ``count`` processes at once; used like the campaign's
-    ``_Slice`` (``deadlines``, `run`, ``status``, ``artifacts``, `row`, `save_unsaved`)."""
+    """One backend x TP slice searched by ``count`` processes at once; used like a
+    `SliceSearch` (``deadlines``, `run`, ``status``, ``artifacts``, `row`, `save_unsaved`)."""
 
     def __init__(
         self,
-        config: Any,
+        config: CampaignConfig,
+        adapter: Adapter,
         backend: str,
         tp: int,
+        names: tuple[str, ...],
         tally: Any,
         progress: Any,
         *,
         count: int,
         seed_stride: int,
     ) -> None:
-        self.config, self.backend, self.tp = config, backend, tp
+        self.config, self.adapter, self.backend, self.tp = config, adapter, backend, tp
+        self.names = names
+        self.where = f"{adapter.label(backend)} TP={tp}"
         self.tally, self.progress = tally, progress
         self.count, self.seed_stride = count, seed_stride
         self.deadlines = (math.inf, math.inf)
@@ -103,11 +109,7 @@ class ConcurrentSlice:
         self._ended: set[int] = set()  # searches that reported their end (or died)
 
     def row(self) -> dict[str, Any]:
-        from verify.running.campaign import _slice_row
-
-        return _slice_row(
-            self.backend, self.tp, self.status, self.examples, self.artifacts, self.seconds
-        )
+        return slice_row(self.where, self.status, self.examples, self.artifacts, self.seconds)
 
     def save_unsaved(self) -> None:
         """Nothing to do here: each search saves its own unsaved failure when it is stopped."""
@@ -121,17 +123,16 @@ class ConcurrentSlice:
         for index in range(self.count):
             config = replace(self.config, seed=seed_of(self.config.seed, index, self.seed_stride))
             order = _Order(
-                config, self.backend, self.tp, index, self.deadlines, with_status and index == 0,
-                threads,
+                config, self.adapter.ref, self.names, self.backend, self.tp, index, self.deadlines,
+                with_status and index == 0, threads,
             )  # fmt: skip
             processes.append(context.Process(target=_search, args=(order, events)))
         began = time.monotonic()
-        from verify.running import campaign
-
         try:
             for process in processes:
                 process.start()
-            late = self.deadlines[1] + campaign.OVERRUN_GRACE_S + STOP_GRACE_S
+            floor = self.config.example_deadline().seconds()
+            late = self.deadlines[1] + floor + stopping.OVERRUN_GRACE_S + STOP_GRACE_S
             self._collect(processes, events, until=late)
             self._kill_late(processes)
         except KeyboardInterrupt:  # stop the searches; each saves what it found, then reports
@@ -184,7 +185,7 @@ class ConcurrentSlice:
             if process.pid is not None and process.is_alive():
                 process.kill()
             self.tally.add_error(
-                f"{self.backend} TP={self.tp}",
+                self.where,
                 f"search {index} of {self.count} still ran past the budget and its stop's grace: "
                 "killed (its examples counted; a failure it had not saved is lost)",
             )
@@ -198,7 +199,7 @@ class ConcurrentSlice:
 
     def _died(self, index: int, exitcode: int | None) -> None:
         self.tally.add_error(
-            f"{self.backend} TP={self.tp}",
+            self.where,
             f"search {index} of {self.count} ended without reporting (exit code {exitcode})",
         )
         self._done(index, "infrastructure error", [])
@@ -214,28 +215,27 @@ def _merged_status(statuses: list[str]) -> str:
 
 def _search(order: _Order, events: Any) -> None:
     """A search process: the slice's search at ``order``'s seed, its pool its own."""
-    import torch
-
-    from verify.distributed import WorkerPool, needs_pool
-    from verify.running.campaign import _Slice, overrun_error, overrun_stopped, stop_signals
-
     torch.set_num_threads(order.threads)
     tally = _Forward(events, "tally")
-    search = _Slice(order.config, order.backend, order.tp, tally, _Forward(events, "progress"))
+    search = SliceSearch(
+        order.config, resolve(order.impl), order.backend, order.tp, order.names, tally,
+        _Forward(events, "progress"),
+    )  # fmt: skip
     search.deadlines = order.deadlines
-    where, pool = f"{order.backend} TP={order.tp}", None
-    with stop_signals():
+    pool = None
+    with stopping.stop_signals():
         try:
-            if needs_pool(order.tp, order.config.device):
-                device, threads = order.config.device, order.threads
-                pool = WorkerPool(world_size=order.tp, device=device, threads_per_worker=threads)
+            pool = WorkerPool(
+                world_size=order.tp, device=order.config.device,
+                threads_per_worker=order.threads, preload=CASE_MODULES,
+            )  # fmt: skip
             search.run(pool, with_status=order.with_status)
         except KeyboardInterrupt:  # SIGTERM from the campaign, or its own overrun watchdog
-            search.status = "overrun" if overrun_stopped() else "interrupted"
+            search.status = "overrun" if stopping.overrun_stopped() else "interrupted"
             search.save_unsaved()
         except Exception as exc:  # the search could not go on: an infrastructure error
             last = traceback.format_exception_only(exc)[-1].strip()
-            tally.add_error(where, f"search {order.index}: {last}")
+            tally.add_error(search.where, f"search {order.index}: {last}")
             search.status = "infrastructure error"
         finally:
             if pool is not None:
@@ -243,5 +243,8 @@ def _search(order: _Order, events: Any) -> None:
                     pool.close()
             paths = [str(path) for path in search.artifacts]
             if search.status == "overrun":
-                tally.add_error(where, f"search {order.index}: {overrun_error()}")
+                stacks = stopping.stacks_file(order.config.out_dir)
+                tally.add_error(
+                    search.where, f"search {order.index}: {stopping.overrun_error(stacks)}"
+                )
             events.put(("done", "", ((order.index, search.status, paths), {})))

@@ -10,24 +10,23 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 from hypothesis import Phase, example, given, settings, target
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure
 
 from verify.cases.spec import CaseSpec
 from verify.cases.strategies import case_specs
 from verify.distributed.errors import PoolError
-from verify.execution.runner import Runner, case_of
+from verify.execution import stage_timing
+from verify.execution.deadline import BudgetExhausted
+from verify.execution.runner import ImplementationFault, Runner, case_of
 from verify.properties.catalog import PROPERTIES, get
-from verify.properties.expected import compute_ahead
-from verify.properties.verdict import PropertyVerdict, harness_error
-from verify.running import stage_timing
-from verify.running.engine_deadline import BudgetExhausted, deadline_in_engine
+from verify.properties.oracle import compute_ahead
+from verify.properties.verdict import PropertyVerdict, fault_verdict, harness_error
+from verify.running.engine_deadline import deadline_in_engine
 from verify.running.profiles import profile_settings
-
-T = TypeVar("T")
 
 
 class PropertyFailure(AssertionError):
@@ -48,22 +47,29 @@ def check_case(
 ) -> list[PropertyVerdict]:
     """Verdicts of ``properties`` (default: all) on ``spec``; ``backend`` overrides the spec's.
 
-    Properties that do not apply to the spec add no verdict. TP > 1 specs need a runner with a
-    pool; without one, properties needing it are skipped (megatron) or raise `NeedsPool`. An
-    exception of a property's own code becomes its failing `harness_error` verdict (the other
-    properties still run); one raised while running the case propagates.
+    A property that does not cover the spec (`Property.covers`) adds no verdict. TP > 1 specs
+    need a runner with a pool. An exception of a property's own code becomes its failing
+    `harness_error` verdict (the other properties still run); one raised while running the case
+    propagates. The implementation crashing or hanging (`ImplementationFault`) is a failing
+    verdict of that kind, and ends the example: every other property would run the case again.
     """
     if backend is not None:
         spec = spec.with_(backend=backend)
     runner = runner or Runner()
     names = list(PROPERTIES) if properties is None else list(properties)
-    if spec.fault == "none" and runner.offloads(spec):
-        compute_ahead(spec)  # R and B on this CPU while the GPU worker runs the kernel
+    if spec.fault == "none" and runner.offloads:
+        compute_ahead(spec)  # R and B in this process while a worker runs the case
     verdicts: list[PropertyVerdict] = []
     for name in names:
+        prop = get(name)
+        if not prop.covers(spec):
+            continue
         try:
             with stage_timing.stage("compare"):  # less the stages nested in the check
-                verdicts.extend(get(name).check(spec, runner))
+                verdicts.extend(prop.check(spec, runner))
+        except ImplementationFault as fault:
+            verdicts.append(fault_verdict(name, spec, fault.kind, fault.detail, fault.spec))
+            break
         except Exception as exc:
             if case_of(exc) is not None or isinstance(exc, PoolError):
                 raise  # the implementation or the pool: the caller's to judge
@@ -174,24 +180,7 @@ def run_property(
         return deadlines[0 if result.first_failure_at is None else 1]
 
     def body(spec: CaseSpec) -> None:
-        if result.first_failure_at is None:
-            result.examples += 1
-        verdicts = check_case(spec, properties=names, runner=runner)
-        for v in verdicts:
-            key = f"{v.property}:{v.output}"
-            if not v.failed:
-                result.worst_ratio[key] = max(result.worst_ratio.get(key, 0.0), v.ratio)
-        target(worst(verdicts), label="measured/allowed")
-        if on_example is not None:
-            on_example(spec, verdicts)
-        failed = [v for v in verdicts if v.failed]
-        if failed:
-            if result.first_failure_at is None:
-                result.first_failure_at = result.examples
-            result.failure = failed  # shrinking's best so far, kept if a deadline stops it
-            # Past the deadline too: the engine stops at its next candidate. Hypothesis's final
-            # replay of the shrunk failure must fail as it did, whatever the time.
-            raise PropertyFailure(failed)
+        _example(result, check_case(spec, properties=names, runner=runner), on_example, spec)
         if time.monotonic() > due():
             raise BudgetExhausted
 
@@ -200,15 +189,46 @@ def run_property(
         search = example(spec)(search)
     search = settings(base)(search)
     if seed is not None:
-        from hypothesis import seed as hypothesis_seed
-
         search = hypothesis_seed(seed)(search)
     began = time.perf_counter()
+    # After one example at least (a search that starts past its deadline still runs one):
+    # `examples` counts every example up to the first failure.
+    with deadline_in_engine(lambda: result.examples > 0 and time.monotonic() > due()):
+        _outcome(result, search)
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def _example(
+    result: SearchResult,
+    verdicts: list[PropertyVerdict],
+    on_example: Callable[[CaseSpec, list[PropertyVerdict]], None] | None,
+    spec: CaseSpec,
+) -> None:
+    """Tally one example's verdicts into ``result``; raise `PropertyFailure` when one failed."""
+    if result.first_failure_at is None:
+        result.examples += 1
+    for v in verdicts:
+        key = f"{v.property}:{v.output}"
+        if not v.failed:
+            result.worst_ratio[key] = max(result.worst_ratio.get(key, 0.0), v.ratio)
+    target(worst(verdicts), label="measured/allowed")
+    if on_example is not None:
+        on_example(spec, verdicts)
+    failed = [v for v in verdicts if v.failed]
+    if failed:
+        if result.first_failure_at is None:
+            result.first_failure_at = result.examples
+        result.failure = failed  # shrinking's best so far, kept if a deadline stops it
+        # Past the deadline too: the engine stops at its next candidate. Hypothesis's final
+        # replay of the shrunk failure must fail as it did, whatever the time.
+        raise PropertyFailure(failed)
+
+
+def _outcome(result: SearchResult, search: Callable[[], None]) -> None:
+    """Run the Hypothesis ``search`` and record how it ended in ``result``."""
     try:
-        # After one example at least (a search that starts past its deadline still runs one):
-        # `examples` counts every example up to the first failure.
-        with deadline_in_engine(lambda: result.examples > 0 and time.monotonic() > due()):
-            search()
+        search()
     except PropertyFailure as failure:
         result.failure = failure.verdicts
     except BudgetExhausted:
@@ -227,8 +247,6 @@ def run_property(
                 raise exc from group  # a stop signal or an infrastructure fault: the caller's
         if failures:
             result.failure, result.other_failures = failures[0], failures[1:]
-    result.seconds = time.perf_counter() - began
-    return result
 
 
 def seeds(first: int | None) -> Iterator[int | None]:
@@ -239,16 +257,6 @@ def seeds(first: int | None) -> Iterator[int | None]:
     while True:
         yield (first or 0) + step
         step += 1
-
-
-def search_rounds(rounds: Iterable[T], search: Callable[[T], bool]) -> None:
-    """The one loop of repeated searches: ``search(round)`` for each of ``rounds`` until it
-    returns False (enough). A round is a seed (`seeds`: the campaign's restarts after a saved
-    failure, the adapter check's batches) or the explicit examples to start from (the self-test:
-    its search, then the landmarks)."""
-    for round_ in rounds:
-        if not search(round_):
-            return
 
 
 def leaves(group: BaseExceptionGroup, flaky: bool = False) -> Iterator[tuple[BaseException, bool]]:

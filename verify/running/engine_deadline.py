@@ -22,13 +22,10 @@ from typing import Any
 
 from hypothesis.internal.conjecture.engine import ConjectureRunner
 
+from verify.execution.deadline import BudgetExhausted
+
 # Every candidate the engine tries passes one of these, cached or not.
 ENGINE_ENTRIES = ("test_function", "cached_test_function")
-
-
-class BudgetExhausted(BaseException):
-    """Raised inside a search past its deadline to stop it; a BaseException, so Hypothesis does
-    not take it for a failure of the test (and does not shrink it)."""
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""The mutation self-test: does the engine kill every planted bug of `verify.running.mutants`?
+"""The mutation self-test: does the engine kill every planted bug of `verify.execution.mutants`?
 
 `mutation_table()` searches with each mutant planted, records which property killed it after how
 many examples and the shrunk spec, and re-checks that spec without the mutant (a kill only counts
@@ -16,17 +16,11 @@ from hypothesis import strategies as st
 
 from verify.cases.spec import DTYPE_PAIRS, CaseSpec
 from verify.cases.strategies import case_specs, landmark_specs
+from verify.execution.mutants import MUTANTS
 from verify.execution.runner import Runner
-from verify.running.engine import SearchResult, check_case, run_property, search_rounds
-from verify.running.mutants import MUTANTS
+from verify.properties.catalog import SELFTEST_PROPERTIES
+from verify.running.engine import SearchResult, check_case, run_property
 
-# Properties of the self-test: everything the generator's valid specs exercise, minus the peers
-# (slow, and a peer is an oracle for lce's precision, not for these bug classes).
-SELFTEST_PROPERTIES = (
-    "differential", "contract", "tp_invariance", "chunk_invariance", "vocab_permutation",
-    "shift_invariance", "entropy_targets", "upstream_linearity", "ignored_rows", "tied_untied",
-    "temperature", "reduction",
-)  # fmt: skip
 SELFTEST_PAIRS = DTYPE_PAIRS
 
 
@@ -80,9 +74,9 @@ def mutation_table(
     With ``shrink``, the search runs first on its own, so its kill is shrunk to a minimal spec;
     a mutant it misses gets a second search that starts from `landmark_specs` (``landmarks``;
     a kill on a landmark itself is not shrunk, and ``on_landmark`` says so). Without ``shrink``,
-    the landmarks run first: the fastest robust kill (the test suite's mode). On a CUDA ``pool``
-    TP = 1 specs run there too (`verify.distributed.seam.needs_pool`). ``backends``: where
-    the default search and the landmarks plant the bugs.
+    the landmarks run first: the fastest robust kill (the test suite's mode). A ``pool`` runs
+    every case on its workers (without one, in this process). ``backends``: where the default
+    search and the landmarks plant the bugs.
     """
     rows = []
     for name in mutants or MUTANTS:
@@ -107,19 +101,15 @@ def _hunt(
 ) -> SearchResult:
     """The searches for one planted bug, in order until one kills it: with ``shrink`` the plain
     search, then one starting from the landmarks ``marks``; without, the landmarks' one alone."""
-    results: list[SearchResult] = []
-
-    def attempt(examples: list[CaseSpec]) -> bool:
+    for examples in [[], marks] if shrink else [marks]:
         result = run_property(
             properties, strategy=search, profile=profile, runner=runner,
             max_examples=max_examples, shrink=shrink, examples=examples,
         )  # fmt: skip
         result.raise_errors()  # an exception is no kill: the mutant broke the run
-        results.append(result)
-        return result.passed and bool(marks)  # search on: no kill yet, landmarks left
-
-    search_rounds([[], marks] if shrink else [marks], attempt)
-    return results[-1]
+        if not (result.passed and marks):  # killed, or no landmarks left to start from
+            break
+    return result
 
 
 def _row(

@@ -24,10 +24,10 @@ from triton.runtime.jit import JITFunction
 
 import lce.backends
 from lce.backends.triton import backward_kernel, forward_kernel, loss_kernels
+from verify.adapters.registry import resolve
 from verify.cases.spec import CaseSpec
 from verify.cases.strategies import campaign_specs
 from verify.execution.execute import LocalRank, execute
-from verify.execution.selection import resolve
 
 H200_SMS = 132
 KERNELS: dict[str, JITFunction] = {

@@ -126,7 +126,7 @@ INTERPRETER_CONFIG = TritonConfig(
 # Hopper (H100/H200) bf16, picked by benchmarks/kernel_gpu.py's sweep (see docs/bench/triton.md).
 # fp32 operands at block_h=64 need 256 KiB of shared memory in the forward (TMA loads, compiled
 # for sm_90 by triton 3.9), over Hopper's 227 KiB per block; block_h=32 needs 128 KiB.
-# tests/test_triton_resources.py compiles every dtype and checks the sizes.
+# tests/lce/test_triton_resources.py compiles every dtype and checks the sizes.
 GPU_CONFIG = TritonConfig(
     forward=TileShape(
         block_t=128, block_v=256, block_h=64, group=16, num_warps=8, num_stages=3, block_h_fp32=32

@@ -1,0 +1,77 @@
+"""Shared memory of the Triton kernels at `GPU_CONFIG`, compiled for Hopper (sm_90) without a GPU.
+
+    python tests/helpers/triton_shared_memory.py   # JSON: [{kernel, dtype, loads, block_h, shared}]
+
+Run in a process without ``TRITON_INTERPRET`` (the kernels must be JIT functions, not
+interpreted ones); `tests/lce/test_triton_resources.py` does that.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lce.backends.triton.backward_kernel import _dlogits_kernel
+from lce.backends.triton.config import GPU_CONFIG, TileShape
+from lce.backends.triton.forward_kernel import _forward_partials_kernel, warp_specialized
+
+HOPPER = GPUTarget("cuda", 90, 32)
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+CONSTEXPRS = ("BLOCK_T", "BLOCK_V", "BLOCK_H", "GROUP", "EVEN_H", "BF16_INTERPRETED", "PRECISION",
+              "USE_TMA", "WARP_SPECIALIZE", "V_DIV16", "C_DIV16")  # fmt: skip
+
+
+def argument_type(name: str, tile: TileShape, dtype: str, tma: bool) -> str:
+    """Triton signature type of one kernel argument, by the kernels' naming conventions."""
+    if name in CONSTEXPRS:
+        return "constexpr"
+    if name in ("hidden", "weight"):
+        rows = tile.block_t if name == "hidden" else tile.block_v
+        return f"tensordesc<{dtype}[{rows}, {tile.block_h}]>" if tma else f"*{dtype}"
+    if name == "dlogits_ptr":
+        return f"*{dtype}"
+    if name == "targets_ptr":
+        return "*i64"
+    if name.endswith("_ptr"):
+        return "*fp32"
+    return "fp32" if name == "inv_temp" else "i32"
+
+
+def shared_bytes(kernel, tile: TileShape, dtype: torch.dtype, tma: bool) -> int:
+    """Bytes of shared memory one program of ``kernel`` takes at ``tile``, compiled for sm_90."""
+    tile = tile.for_dtype(dtype)
+    names = kernel.arg_names
+    signature = {n: argument_type(n, tile, TRITON_TYPES[dtype], tma) for n in names}
+    values = {
+        "BLOCK_T": tile.block_t, "BLOCK_V": tile.block_v, "BLOCK_H": tile.block_h,
+        "GROUP": tile.group, "EVEN_H": True, "BF16_INTERPRETED": False, "PRECISION": "ieee",
+        "USE_TMA": tma, "WARP_SPECIALIZE": warp_specialized(GPU_CONFIG, tma),
+        "V_DIV16": True, "C_DIV16": True,
+    }  # fmt: skip
+    constexprs = {(names.index(n),): v for n, v in values.items() if n in names}
+    options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    source = ASTSource(kernel, signature, constexprs)
+    return triton.compile(source, target=HOPPER, options=options).metadata.shared
+
+
+def main() -> None:
+    rows = []
+    for kernel, tile in ((_forward_partials_kernel, GPU_CONFIG.forward),
+                         (_dlogits_kernel, GPU_CONFIG.backward)):  # fmt: skip
+        for dtype in TRITON_TYPES:
+            for tma in (True, False):
+                rows.append({
+                    "kernel": kernel.__name__, "dtype": str(dtype),
+                    "loads": "tma" if tma else "ptr",
+                    "block_h": tile.for_dtype(dtype).block_h,
+                    "shared": shared_bytes(kernel, tile, dtype, tma),
+                })  # fmt: skip
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Issue-3 verdicts from benchmark rows (benchmarks/kernel_targets.py): the llama3-8k rows of the
+2026-11-23 H100 nightly (docs/results/nightly/2026-11-23-h100-persistent) give the recorded
+verdicts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import kernel_targets
+
+GRADS_GIB = (8192 + 128256) * 4096 * 2 / 2**30
+
+
+def _row(method, mode, ms, peak=None, gx=None, gw=None) -> dict:
+    row = {"method": method, "mode": mode, "ms": ms, "peak_gib": peak}
+    return row | ({"gx_rel": gx, "gw_rel": gw} if gx is not None else {})
+
+
+ROWS = [
+    _row("1 bf16 GEMM", "fwd", 11.6163),
+    _row("stock PyTorch", "mean", 51.7948, 11.7422, 1.66508e-3, 1.66008e-3),
+    _row("stock PyTorch", "token", 51.1901, 11.7422, 2.34704e-3, 2.33725e-3),
+    _row("lce triton", "fwd", 13.111, 0.0767),
+    _row("lce triton", "mean", 56.7689, 1.229, 1.65730e-3, 1.65966e-3),
+    _row("lce triton", "token", 55.2856, 1.2291, 2.34012e-3, 2.33698e-3),
+    _row("1 bf16 GEMM", "fwd", 12.2409),  # the slower GEMM timing is not the floor
+]
+
+
+def test_recorded_run_meets_forward_per_token_and_errors_misses_mean_and_peak() -> None:
+    verdicts = _judge(ROWS)
+    assert [v.met for v in verdicts] == [True, False, True, False] + [True] * 4
+    forward, mean, _, peak = verdicts[:4]
+    assert forward.measured == pytest.approx(13.111 / 11.6163)
+    assert mean.over == pytest.approx(56.7689 / (3 * 11.6163) / 1.25 - 1)
+    assert peak.measured == pytest.approx(1.2291 / GRADS_GIB)
+    table = kernel_targets.format_verdicts(verdicts)
+    assert "| 1.63x (limit 1.25x) | missed by 30% |" in table
+
+
+def test_errors_above_the_stock_path_fail() -> None:
+    rows = [dict(r) for r in ROWS]
+    rows[5]["gw_rel"] = 2.34e-3 * 1.05  # per-token grad_weight 5% worse than stock
+    failed = [v.target for v in _judge(rows) if not v.met]
+    assert "gw error (token) <= stock PyTorch's (x1.02)" in failed
+
+
+def test_a_missing_row_names_itself() -> None:
+    with pytest.raises(KeyError, match="'lce triton' in mode 'token'"):
+        _judge([r for r in ROWS if not (r["method"] == "lce triton" and r["mode"] == "token")])
+
+
+def _judge(rows):
+    return kernel_targets.judge(rows, GRADS_GIB)
+
+
+def test_issue24_targets_of_a_peer_that_did_not_import_say_why() -> None:
+    import_error = "ModuleNotFoundError: No module named 'cutlass'"
+    verdicts, skipped = kernel_targets.judge_issue24(
+        ROWS, GRADS_GIB, {kernel_targets.LIGER_CUTE: import_error}
+    )
+    cute = "per-token path faster than Liger's Hopper CuTe kernel"
+    assert skipped[cute] == f"{kernel_targets.LIGER_CUTE} unavailable: {import_error}"
+    # A row the run lacks for another reason (a path that raised) still names the row.
+    assert skipped["fast mode <= 1.10x of 3 GEMMs"].startswith("no row: no timed row for")
+    judged = {v.target: v for v in verdicts}
+    assert judged["default path <= 1.10x of 4 GEMMs"].measured == pytest.approx(
+        56.7689 / (4 * 11.6163)
+    )

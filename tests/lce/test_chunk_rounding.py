@@ -1,0 +1,91 @@
+"""Low-precision grad_weight does not depend on the number of token chunks, on either backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lce
+from tests.helpers.checks import BACKENDS
+
+T, H, V = 48, 16, 31
+# Every chunk size on the torch backend; a few on Triton, whose interpreter is slow.
+CHUNK_SIZES = {"torch": range(1, T + 1), "triton": (3, 17, T)}
+
+
+def _problem(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(T, H, generator=gen, dtype=torch.float64).to(dtype)
+    # Log-normal row norms: logits of several magnitudes, not one uniform scale.
+    norms = torch.exp(0.5 * torch.randn(V, 1, generator=gen, dtype=torch.float64))
+    weight = (torch.randn(V, H, generator=gen, dtype=torch.float64) * norms).to(dtype)
+    targets = torch.randint(0, V, (T,), generator=gen)
+    upstream = torch.randn(2, T, generator=gen)
+    return hidden, weight, targets, upstream
+
+
+def _grad_weight(hidden, weight, targets, upstream, chunk_size, path, backend):
+    weight = weight.detach().clone().requires_grad_()
+    kwargs = dict(backend=backend, chunk_size=chunk_size)
+    if path == "token_outputs":
+        out = lce.token_logprobs(hidden, weight, targets, **kwargs)
+        torch.autograd.backward([out.logprobs, out.entropy], list(upstream))
+    else:  # the scalar loss computes its gradients during the forward pass
+        lce.linear_cross_entropy(hidden, weight, targets, reduction="sum", **kwargs).backward()
+    return weight.grad
+
+
+def _reference(hidden, weight, targets, upstream, path):
+    """float64 autograd through materialized logits of the same (rounded) inputs."""
+    weight = weight.double().requires_grad_()
+    logp = torch.log_softmax(hidden.double() @ weight.T, dim=-1)
+    logprobs = logp.gather(1, targets[:, None]).squeeze(1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    if path == "token_outputs":
+        torch.autograd.backward([logprobs, entropy], [u.double() for u in upstream])
+    else:
+        (-logprobs.sum()).backward()
+    return weight.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("path", ["token_outputs", "sum_loss"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grad_weight_error_is_one_gemms_at_every_chunk_size(dtype, path, backend):
+    """Each chunk's ``d.T @ hidden`` is summed in fp32 and rounded once at the end, so every
+    chunk size from 1 to T has the error of the one-chunk (one-GEMM) run, up to one ulp of a
+    differently ordered fp32 sum rounding the other way. Rounding each chunk's product (the torch
+    backend's bug) added ~sqrt(chunks) roundings: 2-3 ulps at chunk_size 1. Triton ignored
+    chunk_size before; it now runs the kernels per block of tokens."""
+    problem = _problem(dtype)
+    exact = _reference(*problem, path)
+    one_gemm = _grad_weight(*problem, T, path, backend)
+    one_gemm_error = (one_gemm.double() - exact).abs()
+    ulp = torch.finfo(dtype).eps * one_gemm.double().abs().clamp_min(torch.finfo(dtype).tiny)
+    for chunk_size in CHUNK_SIZES[backend]:
+        grad = _grad_weight(*problem, chunk_size, path, backend)
+        excess = (grad.double() - exact).abs() - one_gemm_error - ulp
+        assert excess.max() <= 0, f"chunk_size={chunk_size}: {excess.max():.3g} over the bound"
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_triton_honours_chunk_size(backend, monkeypatch):
+    """Its kernels see blocks of at most ``chunk_size`` tokens (they saw all 12 before)."""
+    import lce.backends.triton.stages as stages
+
+    seen = []
+
+    def recorded(kernel):
+        def run(hidden, *args, **kwargs):
+            seen.append(len(hidden))
+            return kernel(hidden, *args, **kwargs)
+
+        return run
+
+    for name in ("forward_partials", "dlogits_chunk"):
+        monkeypatch.setattr(stages, name, recorded(getattr(stages, name)))
+    hidden = torch.randn(12, H, requires_grad=True)
+    targets = torch.arange(12) % V
+    out = lce.token_logprobs(hidden, torch.randn(V, H), targets, backend=backend, chunk_size=5)
+    out.logprobs.sum().backward()
+    assert seen == [5, 5, 2] * 2

@@ -1,0 +1,72 @@
+"""A kernel that hangs or kills its process on some shapes is a finding, not a dead harness: the
+case runs in a worker, its fault is confirmed on a fresh one, shrunk and saved, the other
+properties go on, the run ends within its budget plus the per-example deadline with exit 1, and
+`replay` reproduces the fault in a worker process. The misbehaving kernels
+(`tests.helpers.misbehaving_impl`) hang or abort on an empty batch, at TP 1 and TP 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verify.cli import EXIT_FAIL
+
+pytest_plugins = ["pytester"]
+
+BUDGET_S = 40.0
+DEADLINE_S = 2.0  # fixed: the kernels' healthy cases take milliseconds
+# Past budget + deadline: the pool's start, the report, the process's exit (seconds each on a
+# loaded 2-core machine).
+SLACK_S = 20.0
+PROPERTIES = "differential,contract,entropy_targets"
+KINDS = {"hangs": "hang", "aborts": "crash"}
+
+
+def _verify(*argv: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "verify", *argv]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("impl", sorted(KINDS))
+def test_a_hang_or_a_crash_is_a_finding_that_replays(impl: str, tp: int, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = _verify(
+        "run", "--impl", f"tests.helpers.misbehaving_impl:{impl}", "--tp", str(tp),
+        "--budget-s", str(BUDGET_S), "--example-deadline-s", str(DEADLINE_S),
+        "--properties", PROPERTIES, "--out", str(out),
+        timeout=BUDGET_S + DEADLINE_S + SLACK_S + 60,
+    )  # fmt: skip
+    assert done.returncode == EXIT_FAIL, done.stdout + done.stderr
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["wall_s"] <= BUDGET_S + DEADLINE_S + SLACK_S, doc["wall_s"]
+    assert doc["errors"] == [], doc["errors"]  # the implementation's fault, not the machine's
+    (finding,) = [f for f in doc["failures"] if f["tier"] == KINDS[impl]]
+    assert finding["tp"] == tp and finding["output"] == "process"
+    record = json.loads(Path(finding["artifact"]).read_text())
+    assert record["spec"]["tokens"] == 0 and record["impl"].endswith(impl)
+    assert record["shrunk"] is True  # the first generated case was the simplest already
+    ran = {row["property"] for row in doc["counts"] if row["examples"] > 1}
+    assert set(PROPERTIES.split(",")) <= ran  # the other cases and properties still ran
+    replayed = _verify("replay", finding["artifact"], timeout=120)
+    assert replayed.returncode == EXIT_FAIL  # the implementation fails the case, as recorded
+    assert f"{KINDS[impl]} reproduced in a worker process: yes" in replayed.stdout
+
+
+def test_the_pytest_plugin_reports_a_crash(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest('pytest_plugins = ["verify.pytest_plugin"]')
+    pytester.makepyfile(
+        "def test_impl(lce_verify):\n"
+        f"    lce_verify(properties={PROPERTIES.split(',')!r}, example_deadline_s={DEADLINE_S})\n"
+    )
+    impl = "tests.helpers.misbehaving_impl:aborts"
+    argv = ["--lce-impl", impl, "--lce-tp", "1,2", "--lce-minutes", str(BUDGET_S / 60)]
+    result = pytester.runpytest_inprocess(*argv, "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*differential FAILED on process [[]crash[]]*artifact=*"])

@@ -1,0 +1,281 @@
+"""Built-in adapters: lce (both backends; the engine runs lce through it), torch's
+linear_cross_entropy, Liger, cut-cross-entropy, verl's fused kernel.
+
+Each factory returns an `Adapter` or raises `AdapterError` saying what is missing (a package, a
+torch version, a CUDA device). Third-party packages are imported only when their adapter is asked
+for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lce
+from verify.adapters import verl_kernel
+from verify.adapters.interface import (
+    Adapter,
+    AdapterError,
+    Call,
+    Capabilities,
+    Limits,
+    NumericalContract,
+)
+from verify.cases.spec import BACKENDS, LOSS_PATHS
+
+# What lce raises on an input it refuses; any other exception is a bug (it propagates).
+LCE_REFUSALS = (ValueError, TypeError, IndexError, RuntimeError)
+
+
+def _lce_tokens(call: Call) -> dict[str, torch.Tensor]:
+    out = lce.token_logprobs(call.hidden, call.weight, call.targets, **_lce_kwargs(call))
+    return {"logprobs": out.logprobs, "entropy": out.entropy}
+
+
+def _lce_loss(call: Call, reduction: str) -> torch.Tensor:
+    kwargs = _lce_kwargs(call)
+    weight = call.weight
+    if call.loss_path == "fast":
+        kwargs["fast"] = True
+    elif call.loss_path == "main_grad" and weight.requires_grad and torch.is_grad_enabled():
+        weight, kwargs["grad_weight_into"] = main_grad_weight(weight)
+        kwargs["assumed_loss_grad"] = MAIN_GRAD_ASSUMED_LOSS_GRAD
+    return lce.linear_cross_entropy(
+        call.hidden, weight, call.targets, reduction=reduction, **kwargs
+    )
+
+
+# The upstream gradient the main_grad path tells lce to assume: its forward accumulates the
+# weight gradient for it; backward undoes and redoes the rows whose upstream differs.
+MAIN_GRAD_ASSUMED_LOSS_GRAD = 1.0
+
+
+def main_grad_old_content(weight: torch.Tensor) -> torch.Tensor:
+    """What `main_grad_weight` puts in main_grad before the call, on the CPU: random at
+    ``weight``'s scale, a function of ``weight`` alone (its size seeds it), in main_grad's dtype
+    (fp64 for fp64 weights, else fp32)."""
+    gen = torch.Generator().manual_seed(weight.numel())
+    scale = weight.detach().abs().amax().item() if weight.numel() else 1.0  # empty shards too
+    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    return (torch.randn(weight.shape, generator=gen) * scale).to(acc)
+
+
+def main_grad_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` as Megatron's DDP presents it to a fused layer, and its main_grad.
+
+    main_grad starts with old content (`main_grad_old_content`), the returned view carries
+    DDP's flags with ``zero_out_wgrad`` (lce then returns a zero dummy gradient), and its backward
+    hands ``weight`` what main_grad gained since the last backward, as DDP's hook would add a
+    real ``.grad``: the engine's gradient checks then judge what main_grad received.
+    """
+    main_grad = main_grad_old_content(weight).to(weight.device)
+    view = _MainGradView.apply(weight, main_grad)
+    view.grad_added_to_main_grad = False
+    view.zero_out_wgrad = True
+    return view, main_grad
+
+
+class _MainGradView(torch.autograd.Function):
+    """Identity on the weight; backward adds what ``main_grad`` gained since the last backward."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+        ctx.main_grad, ctx.seen = main_grad, main_grad.clone()
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        gained = ctx.main_grad - ctx.seen
+        ctx.seen = ctx.main_grad.clone()
+        return grad + gained.to(grad.dtype), None
+
+
+def _lce_kwargs(call: Call) -> dict:
+    return {
+        "ignore_index": call.ignore_index, "temperature": call.temperature,
+        "tp_group": call.tp_group, "vocab_start": call.vocab_start, "backend": call.backend,
+        "chunk_size": call.chunk_size, "reduce_grad_hidden": call.reduce_grad_hidden,
+    }  # fmt: skip
+
+
+def lce_adapter(backends: tuple[str, ...] = BACKENDS) -> Adapter:
+    """lce itself; ``Call.backend`` picks the backend among ``backends``."""
+    caps = Capabilities(
+        temperature=True, tensor_parallel=True, chunk_size=True, backends=backends,
+        deterministic=True, validates_inputs=True, loss_paths=LOSS_PATHS,
+        double_backward=("torch",),
+    )  # fmt: skip
+    name = "lce" if len(backends) > 1 else f"lce-{backends[0]}"
+    return Adapter(
+        name, ("logprobs", "entropy", "loss"), _lce_tokens, _lce_loss, caps,
+        description=f"lce.token_logprobs / lce.linear_cross_entropy, backends {list(backends)}",
+        refusals=LCE_REFUSALS,
+    )  # fmt: skip
+
+
+def flat_loss_adapter(
+    name: str,
+    loss_2d: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, str], torch.Tensor],
+    **fields,
+) -> Adapter:
+    """An adapter for a loss taking 2-D ``(hidden [N, H], weight, targets [N], ignore_index,
+    reduction)``: hidden is cast to weight's dtype (as a linear layer does), 3-D inputs are
+    flattened, and log-probs come from ``-loss(reduction='none')``."""
+
+    def loss(call: Call, reduction: str) -> torch.Tensor:
+        hidden = call.hidden.to(call.weight.dtype).reshape(-1, call.hidden.shape[-1])
+        out = loss_2d(hidden, call.weight, call.targets.reshape(-1), call.ignore_index, reduction)
+        return out.view(call.targets.shape) if reduction == "none" else out
+
+    def tokens(call: Call) -> dict[str, torch.Tensor]:
+        return {"logprobs": -loss(call, "none")}
+
+    return Adapter(name, ("logprobs", "loss"), tokens, loss, **fields)
+
+
+def torch_adapter() -> Adapter:
+    """``torch.nn.functional.linear_cross_entropy`` (PyTorch >= 2.13), its reference path."""
+    if not hasattr(F, "linear_cross_entropy"):
+        raise AdapterError(f"torch {torch.__version__} has no F.linear_cross_entropy; need >= 2.13")
+
+    def loss_2d(hidden, weight, targets, ignore_index, reduction):
+        return F.linear_cross_entropy(
+            hidden, weight, targets, reduction=reduction, ignore_index=ignore_index
+        )
+
+    return flat_loss_adapter(
+        "torch", loss_2d, contract=NumericalContract(logits="input", outputs="input"),
+        description="torch.nn.functional.linear_cross_entropy (options=None)",
+        skip=(("torch_peer", "the torch peer is this implementation: it would judge itself"),),
+    )  # fmt: skip
+
+
+def _import(module: str, package: str) -> object:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise AdapterError(f"{package} is not installed ({exc}); `pip install {package}`") from exc
+
+
+def _need_cuda(name: str) -> None:
+    if not torch.cuda.is_available():
+        raise AdapterError(f"adapter {name!r} runs Triton kernels on CUDA; no CUDA device here")
+
+
+def liger_adapter() -> Adapter:
+    """Liger's fused linear cross-entropy (``liger_kernel``), CUDA only."""
+    functional = _import("liger_kernel.transformers.functional", "liger-kernel")
+    _need_cuda("liger")
+
+    def loss_2d(hidden, weight, targets, ignore_index, reduction):
+        return functional.liger_fused_linear_cross_entropy(
+            hidden, weight, targets, ignore_index=ignore_index, reduction=reduction
+        )
+
+    # Liger materializes logits chunk by chunk in the input dtype; its loss buffer is fp32.
+    return flat_loss_adapter(
+        "liger", loss_2d, contract=NumericalContract(logits="input", outputs="fp32"),
+        device="cuda",
+        description="liger_kernel.transformers.functional.liger_fused_linear_cross_entropy",
+    )  # fmt: skip
+
+
+def cce_adapter(filter_eps: float | str | None = "high") -> Adapter:
+    """Apple's cut-cross-entropy (``impl='cce'``), CUDA only. ``filter_eps`` is CCE's gradient
+    filter: its default ``"high"`` skips softmax entries below a threshold (an approximation by
+    design); ``None`` computes every entry."""
+    cce = _import("cut_cross_entropy", "cut-cross-entropy")
+    _need_cuda("cce")
+
+    def loss_2d(hidden, weight, targets, ignore_index, reduction):
+        return cce.linear_cross_entropy(
+            hidden, weight, targets, ignore_index=ignore_index, reduction=reduction,
+            filter_eps=filter_eps, impl="cce",
+        )  # fmt: skip
+
+    name = "cce" if filter_eps == "high" else "cce-exact"
+    call = f"cut_cross_entropy.linear_cross_entropy(impl='cce', filter_eps={filter_eps!r})"
+    # fp32 logits: CCE's kernels accumulate in fp32 (IEEE unless float32 matmul precision is
+    # set to "high", then TF32); its loss comes from fp32 log-sum-exp.
+    # fp32 is not claimed: CCE's backward asserts "Backwards requires embeddings to be bf16 or
+    # fp16" (seen on an H200 with cut-cross-entropy 25.1.1).
+    pairs = (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
+    return flat_loss_adapter(
+        name, loss_2d, device="cuda", description=call,
+        capabilities=Capabilities(dtype_pairs=pairs),
+    )  # fmt: skip
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP group (Megatron's copy to the
+    tensor-parallel region), for kernels that return a rank's partial grad_hidden."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+VERL_PAIRS = (("bf16", "bf16"), ("fp16", "fp16"))
+
+
+def verl_adapter(pairs: tuple[tuple[str, str], ...] = VERL_PAIRS) -> Adapter:
+    """verl's fused kernel, ``verl.utils.kernel.linear_cross_entropy(hidden, weight, labels,
+    temperature, reduction, dist_process_group)``: fp32 per-token log-probs and entropy (no loss,
+    no ignore_index), CUDA only, vocab-parallel through the group. Its kernel modules are loaded
+    without verl's package ``__init__`` (`verify.adapters.verl_kernel`).
+
+    ``pairs``: the (equal) dtype pairs searched. fp32 is its own adapter (``verl-fp32``): its
+    ``tl.dot`` runs fp32 inputs on TF32 tensor cores (Triton's default), a finding that would
+    otherwise end every fp32 search first and hide the bf16/fp16 ones (docs/adapters-gpu.md)."""
+    kernel = verl_kernel.load()
+    _need_cuda("verl")
+
+    def tokens(call: Call) -> dict[str, torch.Tensor]:
+        hidden = call.hidden
+        if call.tp_group is not None and call.reduce_grad_hidden:
+            hidden = _SumGradOverGroup.apply(hidden, call.tp_group)  # verl leaves it partial
+        logprobs, entropy = kernel.linear_cross_entropy(
+            hidden, call.weight, call.targets, float(call.temperature), "none", call.tp_group
+        )
+        return {
+            "logprobs": logprobs.view(call.targets.shape),
+            "entropy": entropy.view(call.targets.shape),
+        }
+
+    # Declared from its host code: `assert hidden_size % 128 == 0`, `assert hidden.is_contiguous()
+    # and weight.is_contiguous()`, grad_weight allocated in hidden's dtype (equal pairs only),
+    # global ids `offs + rank * vocab_local` (equal shards), and no ignore_index parameter.
+    caps = Capabilities(
+        ignore_index=False, temperature=True, tensor_parallel=True, strided=False,
+        dtype_pairs=pairs, limits=Limits(hidden_multiple=128, even_shards=True),
+    )  # fmt: skip
+    name = "verl" if pairs == VERL_PAIRS else "verl-" + "-".join(h for h, _ in pairs)
+    return Adapter(
+        name, ("logprobs", "entropy"), tokens, capabilities=caps, device="cuda",
+        description=f"verl.utils.kernel.linear_cross_entropy (verl {verl_kernel.version()})",
+    )  # fmt: skip
+
+
+BUILTIN: dict[str, Callable[[], Adapter]] = {
+    "lce": lce_adapter,
+    "lce-torch": partial(lce_adapter, ("torch",)),
+    "lce-triton": partial(lce_adapter, ("triton",)),
+    "torch": torch_adapter,
+    "liger": liger_adapter,
+    "cce": cce_adapter,
+    "cce-exact": partial(cce_adapter, None),
+    "verl": verl_adapter,
+    "verl-fp32": partial(verl_adapter, (("fp32", "fp32"),)),
+}

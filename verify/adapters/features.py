@@ -1,0 +1,130 @@
+"""The case features an implementation may or may not claim, one record each.
+
+A `Feature` says how to tell from an adapter whether it claims the feature, how a spec leaves the
+feature out, and how the report names it when it is not tested. `coerce` maps every drawn spec
+into what the adapter claims (mapping, not filtering: Hypothesis never starves, and failures still
+shrink); `unclaimed` lists what that leaves untested. Adding a capability is adding a record here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from verify.adapters.interface import Adapter
+from verify.cases.spec import DTYPE_PAIRS, REDUCTIONS, CaseSpec
+from verify.numerics.reference import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Untested:
+    """A feature or property not exercised for an adapter, and why."""
+
+    what: str
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.what}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Feature:
+    """``claimed(adapter)``: the adapter supports it; ``leave_out(spec, adapter)``: the spec
+    changes that keep a case inside what the adapter supports (empty when already inside)."""
+
+    what: str
+    claimed: Callable[[Adapter], bool]
+    leave_out: Callable[[CaseSpec, Adapter], dict[str, Any]]
+
+
+def _flag(name: str) -> Callable[[Adapter], bool]:
+    return lambda adapter: bool(getattr(adapter.capabilities, name))
+
+
+def _always(changes: dict[str, Any]) -> Callable[[CaseSpec, Adapter], dict[str, Any]]:
+    return lambda spec, adapter: changes
+
+
+def _reduction(spec: CaseSpec, adapter: Adapter) -> dict[str, Any]:
+    claimed = adapter.capabilities.reductions
+    if spec.reduction in claimed:
+        return {}
+    return {"reduction": claimed[REDUCTIONS.index(spec.reduction) % len(claimed)]}
+
+
+def _dtype_pair(spec: CaseSpec, adapter: Adapter) -> dict[str, Any]:
+    claimed = adapter.capabilities.dtype_pairs
+    if (spec.hidden_dtype, spec.weight_dtype) in claimed:
+        return {}
+    return dict(zip(("hidden_dtype", "weight_dtype"), claimed[0], strict=True))
+
+
+def _missing_reductions(adapter: Adapter) -> list[str]:
+    return [r for r in REDUCTIONS if r not in adapter.capabilities.reductions]
+
+
+def _missing_pairs(adapter: Adapter) -> list[str]:
+    claimed = adapter.capabilities.dtype_pairs
+    return [f"{h}x{w}" for h, w in DTYPE_PAIRS if (h, w) not in claimed]
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("ignore_index", _flag("ignore_index"),
+            _always({"ignore": "none", "ignore_index": IGNORE_INDEX})),
+    Feature("temperature != 1", _flag("temperature"), _always({"temperature": 1.0})),
+    Feature("3-D [B, T, H] inputs", _flag("batched"), _always({"batch": 0})),
+    Feature("non-contiguous inputs", _flag("strided"), _always({"layout": "contiguous"})),
+    Feature("T = 0", _flag("empty"),
+            lambda spec, adapter: {"tokens": 1} if spec.tokens == 0 else {}),
+    Feature("frozen hidden/weight and no-grad calls", _flag("frozen"),
+            lambda spec, adapter: {} if spec.grads in ("both", "twice") else {"grads": "both"}),
+    Feature("tied embedding weights", _flag("tied"), _always({"tied": False})),
+    Feature("chunk sizes", _flag("chunk_size"), _always({"chunk_size": None})),
+    Feature("partial grad_hidden (sequence parallel)", _flag("tensor_parallel"),
+            _always({"reduce_hidden": True})),
+    # Without entropy, R's gradients carry no entropy term either.
+    Feature("entropy (and its upstream patterns)", lambda a: "entropy" in a.outputs,
+            _always({"upstream": "logprob_only"})),
+    Feature("reductions", lambda a: not _missing_reductions(a), _reduction),
+    Feature("dtype pairs", lambda a: not _missing_pairs(a), _dtype_pair),
+)  # fmt: skip
+
+
+def coerce(adapter: Adapter, spec: CaseSpec) -> CaseSpec:
+    """``spec`` with every unclaimed feature left out and its sizes fit into the adapter's
+    `Limits`."""
+    changes: dict[str, Any] = {}
+    for feature in FEATURES:
+        if not feature.claimed(adapter):
+            changes.update(feature.leave_out(spec, adapter))
+    changed = {k: v for k, v in changes.items() if getattr(spec, k) != v}
+    return adapter.capabilities.limits.fit(spec.with_(**changed) if changed else spec)
+
+
+def unclaimed(adapter: Adapter, tp_sizes: tuple[int, ...]) -> list[Untested]:
+    """Every feature ``adapter`` leaves untested here, with the reason, for the report."""
+    reason = "not claimed by the adapter"
+    gaps = [Untested("bias", "the harness generates bias-free heads only")]
+    for feature in FEATURES:
+        if feature.claimed(adapter):
+            continue
+        what = feature.what
+        if feature.what == "reductions":
+            what = f"reductions {_missing_reductions(adapter)}"
+        elif feature.what == "dtype pairs":
+            what = f"dtype pairs {_missing_pairs(adapter)}"
+        gaps.append(Untested(what, reason))
+    gaps += [
+        Untested(what, "outside the declared limits")
+        for what in adapter.capabilities.limits.lines()
+    ]
+    if not adapter.capabilities.tensor_parallel:
+        gaps.append(Untested("tensor parallelism", reason))
+    elif max(tp_sizes) == 1:
+        gaps.append(Untested("tensor parallelism", "TP = 1 only in this run (--tp)"))
+    if "logprobs" not in adapter.outputs:
+        gaps.append(Untested("per-token log-probs", "not computed by the implementation"))
+    if adapter.contract.outputs == "input":
+        gaps.append(Untested("fp32 output dtype", "the contract allows input-dtype outputs"))
+    return gaps

@@ -1,0 +1,327 @@
+"""The oracle of a spec: the float64 reference R, the stock baseline B and every error bound derived
+from the case, computed in one place, once per spec.
+
+`oracle(spec)` builds the spec's global problem, runs R and B on it (flattened like
+`verify.execution.outcome.assemble` flattens what the ranks gave, so every property compares like
+with like) and derives the bounds lazily: a property reads ``oracle -> compare -> verdict``.
+`compute_ahead(spec)` starts that in a background thread while the spec's kernel runs on a worker
+(R's bits are the same in any thread).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cached_property, lru_cache
+
+import torch
+
+from verify.cases.build import TIE_SCALE, Problem, build
+from verify.cases.layouts import operand_layouts, with_layout
+from verify.cases.rank_inputs import effective_temperature
+from verify.cases.spec import CaseSpec
+from verify.execution import stage_timing
+from verify.numerics.compare import half_subnormal
+from verify.numerics.reference import Reference, baseline, loss_upstream_grad, reference
+
+FP32_U = torch.finfo(torch.float32).eps / 2
+
+
+class Oracle:
+    """R and B of every output of a valid spec (float64, flattened like `assemble`'s: ``[N]``,
+    ``[N, H]``), the problem they came from, and the spec's derived error bounds (each computed
+    on first use, then kept)."""
+
+    def __init__(self, spec: CaseSpec) -> None:
+        self.spec = spec
+        with stage_timing.stage("build"):
+            self.problem: Problem = build(spec)
+        self.ref: dict[str, torch.Tensor] = {}
+        self.base: dict[str, torch.Tensor] = {}
+        upstream = self.loss_upstream(self.problem.grad_loss)
+        for fn, out, name in (
+            (reference, self.ref, "reference"),
+            (baseline, self.base, "baseline"),
+        ):
+            with stage_timing.stage(name):
+                operands = self._operands(fn is baseline)
+                tokens = fn(*operands, grad_logprob=self.problem.grad_logprob,
+                            grad_entropy=self.problem.grad_entropy, **self._options())  # fmt: skip
+                loss_run = fn(*operands, grad_logprob=upstream, **self._options())
+                out.update(self._outputs(tokens, ""))
+                out["loss"] = tokens.loss(spec.reduction)
+                out.update(self._outputs(loss_run, "loss_"))
+                del out["loss_logprobs"], out["loss_entropy"]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """bool ``[N]``: the target is not ignored."""
+        return self.problem.valid
+
+    def loss_upstream(self, grad_loss: torch.Tensor) -> torch.Tensor:
+        """The upstream gradient on log-probs of the spec's loss under ``grad_loss`` (float64:
+        dividing an fp32 upstream by the valid count in fp32 would round it, 1/3)."""
+        return loss_upstream_grad(self.valid, self.spec.reduction, grad_loss.double())
+
+    def _options(self) -> dict:
+        return {"ignore_index": self.problem.ignore_index,
+                "temperature": effective_temperature(self.spec)}  # fmt: skip
+
+    def _operands(self, stored: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden, the global weight and targets; ``stored``: hidden in weight's dtype and both
+        stored as the implementation gets them (B multiplies that storage)."""
+        hidden, weight = self.problem.hidden, self.problem.weight
+        if stored:
+            layouts = operand_layouts(self.spec)
+            hidden = with_layout(hidden.detach().to(weight.dtype), layouts[0])
+            weight = with_layout(weight.detach(), layouts[1])
+        return hidden, weight, self.problem.targets
+
+    def _outputs(self, run: Reference, prefix: str) -> dict[str, torch.Tensor]:
+        grad_hidden, grad_weight = run.grad_hidden, run.grad_weight
+        if self.tied:
+            # One weight used as embedding and LM head: its gradient is the sum of both uses.
+            embed = torch.zeros_like(grad_weight).index_add_(0, self.problem.embed_ids, grad_hidden)
+            grad_weight = grad_weight + TIE_SCALE * embed
+        return {
+            f"{prefix}logprobs": run.logprobs,
+            f"{prefix}entropy": run.entropy,
+            f"{prefix}grad_hidden": grad_hidden,
+            f"{prefix}grad_weight": grad_weight,
+        }
+
+    @property
+    def tied(self) -> bool:
+        return self.spec.tied and self.spec.transform != "untie"
+
+    def tied_share(self, per_hidden: torch.Tensor, per_weight: torch.Tensor) -> torch.Tensor:
+        """``per_weight`` plus, for a tied weight, ``TIE_SCALE`` times ``per_hidden`` scattered
+        onto the embedding rows (a bound on grad_weight gains the embedding use's share, as R
+        does)."""
+        if not self.tied:
+            return per_weight
+        embed = torch.zeros_like(per_weight).index_add_(0, self.problem.embed_ids, per_hidden)
+        return per_weight + TIE_SCALE * embed
+
+    def magnitudes_under(
+        self, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`Reference.magnitudes` (grad_hidden, grad_weight) under these upstream gradients."""
+        return reference(
+            self.problem.hidden, self.problem.weight, self.problem.targets,
+            grad_logprob=grad_logprob, grad_entropy=grad_entropy, magnitudes=True,
+            **self._options(),
+        ).magnitudes  # fmt: skip
+
+    @cached_property
+    def magnitudes(self) -> dict[str, torch.Tensor]:
+        """Per gradient output of R (``grad_hidden``, ``loss_grad_weight``, ...), the float64 sum
+        of the absolute values of the terms each element sums (`Reference.magnitudes`): any order
+        of summing n of them in unit roundoff u is off by at most about n * u times this."""
+        problem = self.problem
+        runs = {
+            "": self.magnitudes_under(problem.grad_logprob, problem.grad_entropy),
+            "loss_": self.loss_magnitudes(),
+        }
+        out = {}
+        for prefix, run in runs.items():
+            if run is not None:
+                out[prefix + "grad_hidden"], out[prefix + "grad_weight"] = run
+        return out
+
+    def loss_magnitudes(
+        self, grad_loss: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`Reference.magnitudes` of the spec's loss under its own upstream gradient, or under the
+        constant ``grad_loss`` when given (None without gradients)."""
+        upstream = self.problem.grad_loss
+        if grad_loss is not None:
+            upstream = torch.full_like(upstream, grad_loss)
+        return self.magnitudes_under(self.loss_upstream(upstream), None)
+
+    @cached_property
+    def dot_order_excess(self) -> torch.Tensor:
+        """Per raw dot ``hidden @ weight.T`` of fp32 operands, how much further from exact it
+        lands in `index_order_dots`' order (the H200's Triton forward matched it to 3 digits) than
+        in B's (the CPU BLAS's on the operands' storage, `operand_layouts`). Where every partial
+        sum carries a common offset, index order rounds each of n additions at ~|z| and a BLAS's
+        blocked sums round few of them there: lce's fp32 log-probs were 1.07x the ratio tier on
+        the H200 (H = 16, 1.25e-5 against B's 2.1e-6; this order's model 1.26e-5). Zeros for
+        16-bit and fp64 weights: there the logits' own rounding (16-bit) dwarfs the fp32
+        accumulator's order, and no fp64 kernel tiles its dots (Triton refuses fp64)."""
+        problem = self.problem
+        if problem.weight.dtype != torch.float32:
+            return torch.zeros(
+                problem.hidden.shape[0], problem.weight.shape[0], dtype=torch.float64
+            )
+        hidden, weight = problem.hidden.to(torch.float32), problem.weight
+        layouts = operand_layouts(self.spec)
+        exact = hidden.double() @ weight.double().T
+        blas = with_layout(hidden, layouts[0]) @ with_layout(weight, layouts[1]).T
+        excess = (index_order_dots(hidden, weight).double() - exact).abs() - (
+            blas.double() - exact
+        ).abs()
+        return excess.clamp_min(0.0)
+
+    def logit_scales(self, dot_rounding: bool = False) -> dict[str, torch.Tensor]:
+        """Per output of R, the scale of its error when every logit carries its dtype's rounding
+        (``|dz| <= u |z|``): `verify.numerics.compare`'s ``logit_scale`` (tolerances.yaml's
+        ``zeps`` = 2u weighs it); see `logit_scales` for the derivation."""
+        return self._logit_scales[dot_rounding]
+
+    @cached_property
+    def _logit_scales(self) -> dict[bool, dict[str, torch.Tensor]]:
+        return {flag: logit_scales(self, flag) for flag in (False, True)}
+
+    @cached_property
+    def subnormal_bounds(self) -> dict[str, torch.Tensor]:
+        """Per gradient output, the absolute error its GEMMs' d_logits input may carry when
+        rounded to the matmul's dtype (weight's): each element is off by up to ``u |d| + s/2``
+        (s the smallest subnormal). The relative part is in `logit_scales`; this is the absolute
+        part, which no relative term covers: a mean loss over 44 peaked fp16 rows has d ~ 1e-6,
+        below fp16's smallest normal (6e-5), where a rounding errs by up to 3e-8, 3% of d. So
+        ``grad_weight[v, h]`` may be off by ``s/2 sum_t |h[t, h]|`` and ``grad_hidden[t, h]`` by
+        ``s/2 sum_v |w[v, h]|``, over valid rows (an ignored row's d is exactly 0). Negligible
+        (< 1e-40) but for fp16."""
+        problem = self.problem
+        half_step = half_subnormal(problem.weight.dtype)
+        valid = problem.valid[:, None].to(torch.float64)
+        hidden = problem.hidden.to(problem.weight.dtype).to(torch.float64)
+        weight = problem.weight.to(torch.float64)
+        per_hidden = half_step * valid * weight.abs().sum(0)  # [N, H]
+        per_weight = (half_step * (valid * hidden.abs()).sum(0)).expand_as(weight)  # [V, H]
+        per_weight = self.tied_share(per_hidden, per_weight)
+        bounds = {}
+        for prefix in ("", "loss_"):
+            bounds[prefix + "grad_hidden"], bounds[prefix + "grad_weight"] = per_hidden, per_weight
+        return bounds
+
+    @cached_property
+    def d_logits_rounding(self) -> dict[str, torch.Tensor]:
+        """Per gradient output, the elementwise error of rounding d_logits once to the GEMMs'
+        dtype (weight's): ``u |d| + s/2`` per term, so ``u`` times `magnitudes` (tied: plus the
+        embedding's share) plus `subnormal_bounds`. The logit terms (`logit_scales`) count this
+        rounding inside ``max|z|`` times the sums; this is the rounding alone, for checks where
+        the logits' own rounding cancels (the same logits in every run) but d_logits' does not."""
+        unit = torch.finfo(self.problem.weight.dtype).eps / 2
+        sizes, subnormal = self.magnitudes, self.subnormal_bounds
+        bounds = {}
+        for prefix in ("", "loss_"):
+            if prefix + "grad_hidden" not in sizes:
+                continue
+            hidden_size = sizes[prefix + "grad_hidden"]
+            weight_size = self.tied_share(hidden_size, sizes[prefix + "grad_weight"])
+            for name, size in (("grad_hidden", hidden_size), ("grad_weight", weight_size)):
+                bounds[prefix + name] = unit * size + subnormal[prefix + name]
+        return bounds
+
+
+_BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lce-oracle")
+_ahead: dict[CaseSpec, Future[Oracle]] = {}  # the latest `compute_ahead`, until it is read
+
+
+def oracle(spec: CaseSpec) -> Oracle:
+    """The `Oracle` of a valid ``spec`` (cached: many properties check the same spec)."""
+    ahead = _ahead.pop(spec, None)
+    return ahead.result() if ahead is not None else _oracle(spec)
+
+
+def compute_ahead(spec: CaseSpec) -> None:
+    """Start `oracle` of a valid ``spec`` in the background (one spec at a time: the last)."""
+    _ahead.clear()
+    _ahead[spec] = _BACKGROUND.submit(_oracle, spec)
+
+
+@lru_cache(maxsize=64)
+def _oracle(spec: CaseSpec) -> Oracle:
+    return Oracle(spec)
+
+
+def index_order_dots(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``hidden @ weight.T`` summed k = 0..n-1 with one rounding per step, as a fused
+    multiply-add rounds (fp32 products are exact in fp64): a tiled GPU kernel's order."""
+    dots = torch.zeros(hidden.shape[0], weight.shape[0], dtype=torch.float32)
+    for k in range(hidden.shape[1]):
+        dots = (dots.double() + hidden[:, k, None].double() * weight[:, k].double()).float()
+    return dots
+
+
+def logit_scales(oracle: Oracle, dot_rounding: bool) -> dict[str, torch.Tensor]:
+    """`Oracle.logit_scales`, derived.
+
+    ``dot_rounding``: each logit also carries its dot's summation rounding, ``|dz| <= u |z| +
+    n u_acc sum_k |h_k||w_k| / T`` (any order of summing the n = hidden_size products in the
+    accumulation dtype, to first order), so ``|z|`` becomes ``|z| + (u_acc / u) n sum|h||w| /
+    T``. Where every partial sum of a dot carries a large common offset, each of its additions
+    rounds at ~|z| and the dot is off by more than u |z| (1.57 u |z| measured, n = 8).
+
+    Log-probs: ``max|z|`` of the row (``dz_y - sum p dz``). Entropy: ``max|z| * (1 + sum p
+    |z - E z|)`` (H = lse - E z is a difference of two numbers of ~``max|z|``, each rounded, and
+    the logits' rounding moves H by ``sum p dz (z - E z)``). The loss: its reduction of the
+    log-probs' scales. Gradients: the largest ``max|z|`` (at least 1: each term is rounded once
+    more in the gradient's dtype, partials at TP > 1 before their sum) times the absolute-term
+    sums of `Oracle.magnitudes` (``dp = p (dz - E dz)``). The entropy part ``d_z = -g_ent p
+    (z - E z)`` adds sums of ``|g_ent| p ((1 - p) + spread) / T``: rounded logits move it by
+    ``g_ent p (dz - E dz - sum_k p_k (dz_k - E dz)(z_k - E z))`` (plus dp's share, relative),
+    with ``|dz_j - E dz| <= (1 - p_j) 2u max|z|``, however small ``z - E z`` and so
+    ``|d_logits|`` is (fp64 at |z| ~ 770: lce 3.8e-14 from exact arithmetic, R and B 4.7e-14 with
+    the same rounding, so |K - R| was 7x the ratio tier). ``1 - p`` keeps it from granting a
+    confident row's target lane ``u * 1``: a planted ``1 - p_y`` rounded at 1 still fails, 135x
+    (tests/verify/test_properties_findings.py; 326x without this term)."""
+    spec, problem = oracle.spec, oracle.problem
+    hidden = problem.hidden.to(problem.weight.dtype).to(torch.float64)
+    weight = problem.weight.to(torch.float64)
+    temperature = effective_temperature(spec)
+    z = hidden @ weight.T / temperature
+    # zeps = 2u weighs |z|: another order's excess enters in units of u, granted twice alike
+    size = z.abs() + oracle.dot_order_excess / temperature / FP32_U
+    if dot_rounding:
+        # Dots accumulate in fp32 (fp64 for fp64) whatever dtype the logits are rounded to.
+        acc = torch.float64 if problem.weight.dtype == torch.float64 else torch.float32
+        ratio = torch.finfo(acc).eps / torch.finfo(problem.weight.dtype).eps
+        terms = hidden.abs() @ weight.abs().T / temperature
+        size = size + ratio * spec.hidden_size * terms
+    zmax, spread, entropy_sizes = _row_sizes(problem, z, size, hidden, weight, temperature)
+    valid = problem.valid
+    logprobs = torch.where(valid, zmax, 0.0)
+    loss = {"none": logprobs, "sum": logprobs.sum()}.get(spec.reduction)
+    if loss is None:
+        loss = logprobs.sum() / valid.sum()
+    entropy = torch.where(valid, zmax * (1.0 + spread), 0.0)
+    out = {"logprobs": logprobs, "entropy": entropy, "loss": loss}
+    top = max(float(logprobs.max()) if logprobs.numel() else 0.0, 1.0)
+    sizes = oracle.magnitudes
+    for prefix in ("", "loss_"):
+        if prefix + "grad_hidden" not in sizes:
+            continue
+        hidden_size, weight_size = sizes[prefix + "grad_hidden"], sizes[prefix + "grad_weight"]
+        if prefix == "" and entropy_sizes is not None:
+            hidden_size = hidden_size + entropy_sizes[0]
+            weight_size = weight_size + entropy_sizes[1]
+        weight_size = oracle.tied_share(hidden_size, weight_size)
+        out[prefix + "grad_hidden"] = top * hidden_size
+        out[prefix + "grad_weight"] = top * weight_size
+    return out
+
+
+def _row_sizes(
+    problem: Problem,
+    z: torch.Tensor,
+    size: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per row: the largest logit size, ``sum p |z - E z|``, and the entropy part's absolute-term
+    sums of the gradients (None without an entropy upstream); see `logit_scales`."""
+    if z.shape[-1] == 0 or z.shape[0] == 0:
+        zmax = z.new_zeros(z.shape[0])
+        return zmax, zmax, None
+    zmax = size.amax(dim=-1)
+    p = torch.softmax(z, dim=-1)
+    spread = (p * (z - (p * z).sum(-1, keepdim=True)).abs()).sum(-1)
+    if problem.grad_entropy is None:
+        return zmax, spread, None
+    g_ent = torch.where(problem.valid, problem.grad_entropy.double(), 0.0)
+    share = (1.0 - p).clamp_min(0.0) + spread[:, None]
+    sizes = (g_ent.abs() / temperature)[:, None] * p * share
+    return zmax, spread, (sizes @ weight.abs(), sizes.T @ hidden.abs())

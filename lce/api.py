@@ -47,7 +47,9 @@ def token_logprobs(
             layer; its gradient comes back in its own dtype.
         weight: this rank's LM-head rows ``[V_local, H]`` (the whole ``[V, H]`` without TP).
         targets: global token ids shaped like ``hidden`` without its last dim. Ids outside
-            ``[0, V)`` that are not ``ignore_index`` raise ``ValueError``.
+            ``[0, V)`` that are not ``ignore_index`` raise ``ValueError`` (on CUDA with
+            ``LCE_HOST_CHECKS=1``; by default there a device-side assert fails the stream, with no
+            host sync: see `lce.validation.check_target_ids`).
         tp_group: vocab-parallel group; ``None`` (or a group of one) means no TP.
         vocab_start: first global id of this rank's rows; default ``tp_rank * V_local``.
         reduce_grad_hidden: sum grad_hidden over the TP group (fp32) in backward; False leaves it
@@ -99,7 +101,9 @@ def linear_cross_entropy(
             `lce.grad_buffer.LossIntoGradBuffer` for Megatron's DDP flags).
         assumed_loss_grad: with ``grad_weight_into``, the upstream gradient the caller will put
             on the loss (on each token's loss for ``"none"``), which the forward assumes; any
-            other stays exact but recomputes the logits of the rows where it differs.
+            other stays exact but recomputes the logits of the rows where it differs (for
+            ``"none"``; on CUDA a scalar loss's other upstream, or any under CUDA-graph capture,
+            fails a device-side assert unless ``LCE_HOST_CHECKS=1``: see `lce.grad_buffer`).
     Other arguments as in `token_logprobs`.
     """
     options = LCEOptions(

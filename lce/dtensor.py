@@ -27,7 +27,7 @@ from lce.validation import check_inputs
 FSDP_FIX = (
     "for an FSDP2 (fully_shard) model, gather the weight through FSDP before the loss: call "
     "model.lm_head.unshard() (FSDPModule.unshard; FSDP reduce-scatters its gradient after "
-    "backward), or keep the LM head in an FSDP unit whose forward has run"
+    "backward), or keep the LM head's weight in the root FSDP unit (left unsharded after forward)"
 )
 
 

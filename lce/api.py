@@ -10,6 +10,7 @@ import torch.distributed as dist
 from lce.autograd import FusedLogprobEntropy, FusedScalarLoss, Plan
 from lce.backends import get_stages, resolve_backend_name
 from lce.backends.torch_chunked import default_chunk_size
+from lce.dtensor import local_call
 from lce.grad_buffer import loss_into_grad_buffer
 from lce.options import LCEOptions
 from lce.tp import CallShape, agree_on_call, resolve_shard, usable_group
@@ -47,7 +48,9 @@ def token_logprobs(
             layer; its gradient comes back in its own dtype.
         weight: this rank's LM-head rows ``[V_local, H]`` (the whole ``[V, H]`` without TP).
         targets: global token ids shaped like ``hidden`` without its last dim. Ids outside
-            ``[0, V)`` that are not ``ignore_index`` raise ``ValueError``.
+            ``[0, V)`` that are not ``ignore_index`` raise ``ValueError`` (on CUDA with
+            ``LCE_HOST_CHECKS=1``; by default there a device-side assert fails the stream, with no
+            host sync: see `lce.validation.check_target_ids`).
         tp_group: vocab-parallel group; ``None`` (or a group of one) means no TP.
         vocab_start: first global id of this rank's rows; default ``tp_rank * V_local``.
         reduce_grad_hidden: sum grad_hidden over the TP group (fp32) in backward; False leaves it
@@ -57,7 +60,10 @@ def token_logprobs(
             tokens at once); the Triton kernels then run per block, bounding their workspace.
         Under TP every rank passes the same tokens and either all or none pass ``vocab_start``;
         ranks that disagree all raise the same ``ValueError`` before any per-token collective.
+        A DTensor ``weight`` (see `lce.dtensor`): Shard(0) on a 1-D mesh runs vocab-parallel on
+        the mesh's group, Replicate runs locally; its gradient is a DTensor of the same placement.
     """
+    weight, tp_group, vocab_start, _ = local_call(hidden, weight, targets, tp_group, vocab_start)
     options = LCEOptions(
         ignore_index=ignore_index, temperature=temperature, tp_group=tp_group,
         vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
@@ -99,9 +105,15 @@ def linear_cross_entropy(
             `lce.grad_buffer.LossIntoGradBuffer` for Megatron's DDP flags).
         assumed_loss_grad: with ``grad_weight_into``, the upstream gradient the caller will put
             on the loss (on each token's loss for ``"none"``), which the forward assumes; any
-            other stays exact but recomputes the logits of the rows where it differs.
-    Other arguments as in `token_logprobs`.
+            other stays exact but recomputes the logits of the rows where it differs (for
+            ``"none"``; on CUDA a scalar loss's other upstream, or any under CUDA-graph capture,
+            fails a device-side assert unless ``LCE_HOST_CHECKS=1``: see `lce.grad_buffer`).
+    Other arguments as in `token_logprobs` (with a DTensor weight, ``grad_weight_into`` is a
+    DTensor of the same layout).
     """
+    weight, tp_group, vocab_start, grad_weight_into = local_call(
+        hidden, weight, targets, tp_group, vocab_start, grad_weight_into
+    )
     options = LCEOptions(
         ignore_index=ignore_index, temperature=temperature, tp_group=tp_group,
         vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden, backend=backend,

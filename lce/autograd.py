@@ -12,7 +12,7 @@ from lce.backends.base import BackwardRows, StageBackend, accumulation_dtype
 from lce.loss_pass import loss_pass
 from lce.options import LCEOptions
 from lce.tp import GlobalStats, VocabShard, merge_stats, reduce_grad_hidden
-from lce.validation import raise_on_bad_targets
+from lce.validation import check_target_ids
 
 # Kernel-side id of an ignored token: owned by no shard, so it adds nothing anywhere.
 IGNORED = -1
@@ -65,7 +65,7 @@ class FusedLogprobEntropy(torch.autograd.Function):
         # hidden itself, not its cast: a double backward differentiates through the cast.
         ctx.save_for_backward(hidden, weight, kernel_targets, *saved_stats)
         ctx.plan = plan
-        raise_on_bad_targets(targets, merged.owners, ignore_index)  # last: it syncs with the GPU
+        check_target_ids(targets, merged.owners, ignore_index)  # last: a host check syncs
         return logprobs, entropy
 
     @staticmethod
@@ -149,7 +149,7 @@ class FusedScalarLoss(torch.autograd.Function):
             plan.stages, hidden.to(weight.dtype), weight, ids, shard, plan.options.temperature,
             grad_logprob, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
         )  # fmt: skip
-        raise_on_bad_targets(targets, owners, ignore_index)
+        check_target_ids(targets, owners, ignore_index)
         if grad_hidden is not None and plan.options.reduce_grad_hidden:
             reduce_grad_hidden(grad_hidden, shard.group)
         ctx.save_for_backward(grad_hidden, grad_weight)

@@ -20,7 +20,14 @@ from lce.backends import StageBackend
 from lce.backends.base import accumulation_dtype
 from lce.loss_pass import loss_pass
 from lce.tp import VocabShard, reduce_grad_hidden
-from lce.validation import raise_on_bad_targets
+from lce.validation import HOST_CHECKS_ENV, check_target_ids, host_checks
+
+# What a failed device-side check of the assumed upstream prints (see `_settle`).
+ASSUMED_UPSTREAM_ASSERT = (
+    "lce grad_weight_into: the loss's upstream gradient is not assumed_loss_grad; pass the "
+    f"gradient you put on the loss as assumed_loss_grad, or set {HOST_CHECKS_ENV}=1 to recompute "
+    "exactly (one host sync)"
+)
 
 
 def check_grad_buffer(buffer: torch.Tensor, weight: torch.Tensor, assumed_upstream: float) -> None:
@@ -48,9 +55,11 @@ class LossIntoGradBuffer(torch.autograd.Function):
     ``assumed_upstream`` (3 GEMMs), adds the weight part to ``buffer`` and keeps grad_hidden
     (fp32 ``[T, H]``). Backward scales grad_hidden's rows by the actual upstream and recomputes
     the rows whose upstream differs from the assumption (`_settle`): ``buffer`` ends at its old
-    content plus the true gradient either way, the assumption only decides the cost.
-    ``row_scale`` is 0 on ignored rows. Every TP rank must get the same upstream gradients (the
-    per-token loss is replicated, as in megatron-core).
+    content plus the true gradient either way, the assumption only decides the cost (where no
+    host sync may find those rows, a device-side assert requires the assumption instead).
+    ``per_token``: the outputs are the caller's per-token losses (``reduction="none"``), not
+    summed by lce into a scalar. ``row_scale`` is 0 on ignored rows. Every TP rank must get the
+    same upstream gradients (the per-token loss is replicated, as in megatron-core).
 
     The weight's own gradient is what megatron-core's linear layers return under
     gradient_accumulation_fusion: a dummy of weight's shape (zeros if ``weight.zero_out_wgrad``)
@@ -68,11 +77,12 @@ class LossIntoGradBuffer(torch.autograd.Function):
         buffer: torch.Tensor,
         row_scale: torch.Tensor,
         assumed_upstream: float,
+        per_token: bool,
     ) -> torch.Tensor:
         ignore_index, temperature = plan.options.ignore_index, plan.options.temperature
         shard, stages = plan.shard, plan.stages
         _, ids = kernel_ids(targets, ignore_index)
-        _raise_before_accumulating(targets, ids, shard, ignore_index)
+        _check_before_accumulating(targets, ids, shard, ignore_index)
         compute_hidden = hidden.to(weight.dtype)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_logprob = row_scale * -assumed_upstream  # the loss is -logprob
@@ -85,7 +95,7 @@ class LossIntoGradBuffer(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, compute_hidden, weight, ids, row_scale)
         ctx.buffer = buffer  # not saved: megatron's layers keep main_grad out of version checks
         ctx.flagged_weight = weight  # the object carrying DDP's flags (saved tensors may not)
-        ctx.settings = (hidden.dtype, temperature, shard, stages, assumed_upstream)
+        ctx.settings = (hidden.dtype, temperature, shard, stages, assumed_upstream, per_token)
         return -logprobs * row_scale
 
     @staticmethod
@@ -96,7 +106,7 @@ class LossIntoGradBuffer(torch.autograd.Function):
                 "forward)"
             )
         grad_hidden, compute_hidden, weight, ids, row_scale = ctx.saved_tensors
-        hidden_dtype, temperature, shard, stages, assumed = ctx.settings
+        hidden_dtype, temperature, shard, stages, assumed, per_token = ctx.settings
         upstream = torch.where(row_scale != 0, grad_out, torch.zeros_like(grad_out))
         if grad_hidden is not None:
             factor = (upstream / assumed).to(grad_hidden.dtype)
@@ -106,19 +116,19 @@ class LossIntoGradBuffer(torch.autograd.Function):
             rows = (
                 compute_hidden, weight, ids, shard, temperature, stages, ctx.buffer, row_scale,
             )  # fmt: skip
-            _settle(*rows, assumed, upstream)
+            _settle(*rows, assumed, upstream, per_token)
             grad_weight = megatron_weight_grad(ctx.flagged_weight)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def _raise_before_accumulating(
+def _check_before_accumulating(
     targets: torch.Tensor, ids: torch.Tensor, shard: VocabShard, ignore_index: int
 ) -> None:
     """Bad target ids raise before the buffer is touched (one small SUM over the TP group)."""
     owners = shard.owns(ids).to(torch.float32)
     if shard.group is not None:
         dist.all_reduce(owners, op=dist.ReduceOp.SUM, group=shard.group)
-    raise_on_bad_targets(targets, owners, ignore_index)
+    check_target_ids(targets, owners, ignore_index)
 
 
 def _settle(
@@ -132,14 +142,23 @@ def _settle(
     row_scale: torch.Tensor,
     assumed: float,
     upstream: torch.Tensor,
+    per_token: bool,
 ) -> None:
-    """On the rows whose upstream differs from the assumed one (one host sync to find them; none
-    when the assumption held): take the forward's weight gradient back out of ``buffer`` and add
-    the true one. Undoing and redoing, rather than adding the difference, keeps the single
-    rounding of d_logits to weight's dtype: the undo rounds exactly as the forward did, while a
-    difference (-1.37 for an upstream of -0.37) would scale the forward's rounding error by
-    (1 + 1.37) / 0.37."""
+    """On the rows whose upstream differs from the assumed one: take the forward's weight
+    gradient back out of ``buffer`` and add the true one. Undoing and redoing, rather than adding
+    the difference, keeps the single rounding of d_logits to weight's dtype: the undo rounds
+    exactly as the forward did, while a difference (-1.37 for an upstream of -0.37) would scale
+    the forward's rounding error by (1 + 1.37) / 0.37.
+
+    Finding the rows is a host sync on CUDA. It is made for per-token losses (``per_token``:
+    their upstream is the caller's, e.g. a loss mask) and with ``LCE_HOST_CHECKS=1``; a scalar
+    loss's one upstream (it would recompute every row), ``LCE_HOST_CHECKS=0`` and CUDA-graph
+    capture get a device-side assert that the assumption held instead (`host_checks`).
+    """
     wrong = (upstream != assumed) & (row_scale != 0)
+    if not host_checks(wrong.device, default=per_token):
+        torch._assert_async(~wrong.any(), ASSUMED_UPSTREAM_ASSERT)
+        return
     rows = torch.nonzero(wrong).squeeze(1)
     if rows.numel() == 0:
         return
@@ -189,7 +208,7 @@ def loss_into_grad_buffer(
     row_scale = torch.where(valid, per_row, 0.0).to(acc)
     losses = LossIntoGradBuffer.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-        plan, buffer, row_scale, assumed_upstream,
+        plan, buffer, row_scale, assumed_upstream, reduction == "none",
     )  # fmt: skip
     if reduction == "none":
         return losses.view(targets.shape)

@@ -1,6 +1,12 @@
-"""Input checks of the public API: each error names the argument and says how to fix it."""
+"""Input checks of the public API: each error names the argument and says how to fix it.
+
+Checks of tensor *values* (target ids, the upstream gradient grad_weight_into assumed) run on the
+host where that costs no device sync (`host_checks`), else as device-side asserts.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -59,12 +65,66 @@ def check_reduction(reduction: str) -> None:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def raise_on_bad_targets(targets: torch.Tensor, owners: torch.Tensor, ignore_index: int) -> None:
-    """Raise unless every non-ignored target id is held by exactly one vocab shard.
+# "1": value checks read the data on the host (named errors; a sync each on CUDA), "0": device-side
+# asserts (no sync). Unset: each check's default (`host_checks`).
+HOST_CHECKS_ENV = "LCE_HOST_CHECKS"
+
+# What a failed device-side target check prints (CUDA then fails every later call on the device).
+TARGETS_ASSERT = (
+    "lce: targets hold ids outside [0, V) that are not ignore_index, or ids that several TP "
+    f"shards hold (a wrong vocab_start); {HOST_CHECKS_ENV}=1 raises a ValueError naming them"
+)
+
+
+def host_checks(device: torch.device, default: bool = False) -> bool:
+    """Whether a value check may read ``device`` data on the host (on CUDA: a host sync).
+
+    Always off CUDA (the CPU has no sync to avoid); never while the current CUDA stream is being
+    captured into a graph (a sync is illegal there); else as `HOST_CHECKS_ENV` says, else
+    ``default``.
+    """
+    if device.type != "cuda":
+        return True
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    return host_checks_setting(default)
+
+
+def host_checks_setting(default: bool) -> bool:
+    """`HOST_CHECKS_ENV` read now: ``"1"`` True, ``"0"`` False, unset or empty ``default``."""
+    value = os.environ.get(HOST_CHECKS_ENV, "")
+    if value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{HOST_CHECKS_ENV} must be 1 (check values on the host: named errors, one host sync "
+            f"each on CUDA), 0 (device-side asserts, no sync) or unset, got {value!r}"
+        )
+    return value == "1"
+
+
+def check_target_ids(targets: torch.Tensor, owners: torch.Tensor, ignore_index: int) -> None:
+    """Every non-ignored target id must be held by exactly one vocab shard.
 
     ``owners [T]`` counts the shards holding each target: 0 means outside ``[0, V)``, more than 1
-    means the shards overlap (a wrong ``vocab_start``).
+    means the shards overlap (a wrong ``vocab_start``). Where `host_checks` allows (CPU, or CUDA
+    with ``LCE_HOST_CHECKS=1`` outside graph capture) a `ValueError` names the ids; on CUDA by
+    default a device-side assert, with no host sync, fails the stream with `TARGETS_ASSERT`.
     """
+    if host_checks(targets.device):
+        raise_on_bad_targets(targets, owners, ignore_index)
+    else:
+        assert_target_ids(targets, owners, ignore_index)
+
+
+def assert_target_ids(targets: torch.Tensor, owners: torch.Tensor, ignore_index: int) -> None:
+    """`check_target_ids` as a device-side assert (on the CPU it raises RuntimeError at once)."""
+    bad = (targets != ignore_index) & (owners != 1)
+    torch._assert_async(~bad.any(), TARGETS_ASSERT)
+
+
+def raise_on_bad_targets(targets: torch.Tensor, owners: torch.Tensor, ignore_index: int) -> None:
+    """`check_target_ids` on the host: a `ValueError` naming the bad ids (one host sync)."""
     active = targets != ignore_index
     # One host sync for the common case (all valid); it is the caller's last step, so the GPU
     # has the rest of the forward queued behind it.

@@ -11,7 +11,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from lce.api import TokenOutputs
-from lce.validation import raise_on_bad_targets
+from lce.validation import check_target_ids
 
 
 def stock_logits(
@@ -40,7 +40,7 @@ def stock_token_outputs(
     """
     ignored = targets == ignore_index
     vocab = logits.shape[-1] * (1 if tp_group is None else dist.get_world_size(tp_group))
-    raise_on_bad_targets(targets, ignored | ((targets >= 0) & (targets < vocab)), ignore_index)
+    check_target_ids(targets, ignored | ((targets >= 0) & (targets < vocab)), ignore_index)
     safe = torch.where(ignored, torch.zeros_like(targets), targets).contiguous()
     # vocab_parallel_cross_entropy subtracts the max from its input in place: give it a copy.
     loss = vocab_parallel_cross_entropy(logits.clone(), safe)

@@ -162,6 +162,8 @@ class _Judged:
             missing = exc.args[0]
             why = [f"{peer} unavailable: {error}" for peer, error in self.unavailable.items()
                    if repr(peer) in missing]  # fmt: skip
+            why += [f"{row['method']} raised {row['error']}" for row in self.rows if "error" in row
+                    and f"{row['method']!r} in mode {row['mode']!r}" in missing]  # fmt: skip
             self.skipped[target] = why[0] if why else f"no row: {missing}"
 
     def ratio(self, method: str, peer: str, mode: str, field: str) -> float:

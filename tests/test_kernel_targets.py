@@ -114,5 +114,12 @@ def test_issue33_verdicts_of_the_issue_table() -> None:
     assert judged["kept logits, per-token faster than Liger CuTe FLCE (Hopper)"].met
     assert not judged["kept logits, per-token peak <= 1.5x the gradients"].met
     assert skipped["kept logits, mean <= 1.06x of 3 GEMMs"].startswith("no row")
+    # A peer that imported but raised at this shape: the reason is its error.
+    rows = [
+        *ISSUE33_ROWS,
+        {"method": kernel_targets.QUACK, "mode": "mean", "error": "ValueError: m == n"},
+    ]
+    _, skipped = kernel_targets.judge_issue33(rows, GRADS_GIB)
+    assert skipped["fast faster than QuACK chunked"] == "QuACK chunked raised ValueError: m == n"
     # fast's peak is no issue-33 target (its fp32 buffer is issue 24's).
     assert not any(name.startswith("fast peak") for name in {**judged, **skipped})

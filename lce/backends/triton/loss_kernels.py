@@ -1,5 +1,6 @@
-"""Row kernels of the 3-GEMM loss: over a materialized ``[rows, V_local]`` logits chunk in weight's
-dtype (raw dots, no temperature), the shard statistics, then d_logits written over it in place.
+"""Row kernels of the 3-GEMM paths: over a materialized ``[rows, V_local]`` logits chunk in weight's
+dtype (raw dots, no temperature), the shard statistics, then d_logits written over it in place
+(the scalar loss's, or with the entropy term for the kept-logits path, `kept_logits`).
 
 The GEMMs around them are cuBLAS's (`lce.backends.gemm`); these kernels are memory-bound
 sweeps, one program per token row walking the vocabulary in ascending tiles.

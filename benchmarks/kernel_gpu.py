@@ -1,25 +1,30 @@
-"""Verify and benchmark the Triton backend on one CUDA GPU, in one call (issue 3's table).
+"""Verify and benchmark the Triton backend on one CUDA GPU, in one call (issues 3, 24 and 33).
 
-Run from the repo root (Liger / Apple CCE are used when importable):
-    PYTHONPATH=. python benchmarks/kernel_gpu.py --json results.json
+Run from the repo root (each peer is used when its package imports; wheels travel in .whl/):
+    PYTHONPATH=. python benchmarks/kernel_gpu.py --no-sweep --json results.json
 Steps: (1) the compiled kernels vs float64 at one large shape; (2) a tile sweep of both kernels at
-llama3-8k, the fastest tiles become the config of (3); (3) per shape: one bf16 GEMM, stock PyTorch,
-lce triton, Liger, CCE: time (median ms), peak memory above the inputs (GiB), normwise grad errors
-vs an fp32 materialized reference. The stage tests run apart:
-pytest tests/lce/test_triton_stages.py.
+llama3-8k, the fastest tiles become the config of (3) (``--no-sweep`` keeps the configured ones);
+(3) the stages' breakdown (``--breakdown-shapes``); (4) per shape: one bf16 GEMM, stock PyTorch,
+lce triton (default, kept logits, fast, main_grad), the cuBLAS GEMMs of the main_grad path alone,
+and the peers (`PEERS`: Liger's Triton FLCE and Hopper CuTe kernels, QuACK, Apple CCE and its
+torch_compile path): time (median ms), peak memory above the inputs (GiB), normwise grad errors
+vs an fp32 materialized reference; then each issue's verdicts (`kernel_targets`). The stage tests
+run apart: pytest tests/lce/test_triton_stages.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
+import itertools
 import json
 import statistics
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -28,6 +33,7 @@ import triton
 
 import lce
 from lce.backends.base import BackwardRows
+from lce.backends.gemm import addmm_, mm_into
 from lce.backends.triton import TileShape, TritonStages
 from lce.backends.triton import config as triton_config
 from lce.backends.triton.backward_kernel import dlogits_chunk
@@ -197,6 +203,12 @@ def sweep(num_tokens: int, hidden_size: int, vocab: int) -> tuple[list[dict], ob
     return rows, chosen
 
 
+# (aliased_chunk_bytes, tail_chunk_bytes) in MiB that `breakdown` times the backward with, in
+# alternating rounds (the card's clocks drift within a run).
+CHUNK_PLANS = ((128, 16), (1024, 16), (512, 64))
+CHUNK_PLAN_ROUNDS = 2
+
+
 def breakdown(num_tokens: int, hidden_size: int, vocab: int) -> dict:
     """Where lce's time goes at one shape: the stages alone vs through the autograd function."""
     inp = make_inputs(num_tokens, hidden_size, vocab)
@@ -217,11 +229,17 @@ def breakdown(num_tokens: int, hidden_size: int, vocab: int) -> dict:
         "backward_grad_weight_only_ms": time_ms(lambda: stages.backward_grads(*args, False, True)),
         "backward_grad_hidden_only_ms": time_ms(lambda: stages.backward_grads(*args, True, False)),
     }
-    for chunk_mib in (32, 64, 128, 256):  # the d_logits buffer trades peak memory for time
-        cfg = dataclasses.replace(triton_config.GPU_CONFIG, chunk_bytes=chunk_mib << 20)
+    # d_logits chunks inside grad_weight's free rows (MiB; wider costs no peak) and the tail
+    # buffer's (the peak's only part above grad_weight and grad_hidden's sums): fewer chunks,
+    # fewer passes over grad_hidden's fp32 sums.
+    for round_, (aliased, tail) in itertools.product(range(CHUNK_PLAN_ROUNDS), CHUNK_PLANS):
+        cfg = dataclasses.replace(
+            triton_config.GPU_CONFIG, aliased_chunk_bytes=aliased << 20, tail_chunk_bytes=tail << 20
+        )
         grads = functools.partial(TritonStages(cfg).backward_grads, *args, True, True)
-        out[f"backward_grads_chunk{chunk_mib}MiB_ms"] = time_ms(grads)
-        out[f"backward_grads_chunk{chunk_mib}MiB_peak_gib"] = peak_gib(grads)[0]
+        key = f"backward_grads_aliased{aliased}_tail{tail}MiB"
+        out[f"{key}_round{round_}_ms"] = time_ms(grads)
+        out[f"{key}_peak_gib"] = peak_gib(grads)[0]
     print("breakdown", out, flush=True)
     return out
 
@@ -313,53 +331,60 @@ def main_grad_run(inp: dict, main_grad: torch.Tensor) -> Callable[[], tuple]:
     return run
 
 
-def peer_losses() -> tuple[dict[str, Callable], dict[str, str]]:
-    """Liger FLCE, Liger's Hopper CuTe kernel and Apple CCE where their packages import (the
-    wheels travel in .whl/); and why each missing one did not import."""
+def peer_losses(skip: frozenset[str] = frozenset()) -> tuple[dict[str, Callable], dict[str, str]]:
+    """The peers whose packages import (the wheels travel in .whl/), but those in ``skip``; and
+    why each missing one is missing (its import error, or the skip)."""
     peers, unavailable = {}, {}
-    try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-        def liger(hidden, weight, targets, mode):
-            reduction = "mean" if mode == "mean" else "none"
-            out = liger_fused_linear_cross_entropy(hidden, weight, targets, reduction=reduction)
-            return out if mode == "mean" else -out
-
-        peers["Liger FLCE"] = liger
-    except Exception as exc:
-        unavailable["Liger FLCE"] = f"{type(exc).__name__}: {exc}"
-    try:
-        peers[kernel_targets.LIGER_CUTE] = liger_cute_loss()
-    except Exception as exc:
-        first_sentence = str(exc).split(". ")[0]  # its install hint is printed below
-        unavailable[kernel_targets.LIGER_CUTE] = f"{type(exc).__name__}: {first_sentence}"
-        print(f"{kernel_targets.LIGER_CUTE}: {exc}", flush=True)
-    try:
-        from cut_cross_entropy import linear_cross_entropy as cce_lce
-
-        def cce(hidden, weight, targets, mode):
-            reduction = "mean" if mode == "mean" else "none"
-            out = cce_lce(hidden, weight, targets, reduction=reduction)
-            return out if mode == "mean" else -out
-
-        peers["Apple CCE"] = cce
-
-        def cce_compiled(hidden, weight, targets, mode):
-            reduction = "mean" if mode == "mean" else "none"
-            out = cce_lce(hidden, weight, targets, reduction=reduction, impl="torch_compile")
-            return out if mode == "mean" else -out
-
-        peers[kernel_targets.CCE_COMPILE] = cce_compiled
-    except Exception as exc:
-        unavailable["Apple CCE"] = f"{type(exc).__name__}: {exc}"
+    for name, make in PEERS.items():
+        if name in skip:
+            unavailable[name] = "skipped (--skip-peers)"
+            continue
+        try:
+            peers[name] = make()
+        except Exception as exc:
+            first_sentence = str(exc).split(". ")[0]  # an install hint follows in some errors
+            unavailable[name] = f"{type(exc).__name__}: {first_sentence}"
     for name, why in unavailable.items():
         print(f"{name} unavailable: {why}", flush=True)
     return peers, unavailable
 
 
+def _negated_unless_mean(loss_fn: Callable, **kwargs) -> Callable:
+    """A peer's loss with ``reduction`` from the mode; per-token losses negated to log-probs."""
+
+    def loss(hidden, weight, targets, mode):
+        reduction = "mean" if mode == "mean" else "none"
+        out = loss_fn(hidden, weight, targets, reduction=reduction, **kwargs)
+        return out if mode == "mean" else -out
+
+    return loss
+
+
+def liger_flce() -> Callable:
+    """Liger 0.8.5's Triton fused linear cross-entropy."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return _negated_unless_mean(liger_fused_linear_cross_entropy)
+
+
+def cce_loss() -> Callable:
+    """Apple CCE 25.1.1, its default (Triton) implementation."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    return _negated_unless_mean(linear_cross_entropy)
+
+
+def cce_compiled_loss() -> Callable:
+    """Apple CCE 25.1.1's torch_compile implementation (whole logits, compiled softmax)."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    return _negated_unless_mean(linear_cross_entropy, impl="torch_compile")
+
+
 def liger_cute_loss() -> Callable:
-    """Liger 0.8.5's Hopper CuTe DSL kernel (per-token NLL; needs nvidia-cutlass-dsl), imported
-    here so a missing package is reported before any timing."""
+    """Liger 0.8.5's Hopper CuTe DSL per-token op (`fused_linear_scaled_cross_entropy`: NLL;
+    needs nvidia-cutlass-dsl), imported here so a missing package is reported before any
+    timing. The mean loss is its per-token NLL averaged."""
     from liger_kernel.ops.cutedsl.ops import fused_scaled_cross_entropy_sm90  # noqa: F401
     from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
         LigerFusedLinearScaledCrossEntropyFunction as cute,
@@ -372,6 +397,42 @@ def liger_cute_loss() -> Callable:
         return nll.sum() / (targets != IGNORE_INDEX).sum()
 
     return loss
+
+
+def liger_cute_flce_loss() -> Callable:
+    """Liger 0.8.5's Hopper CuTe DSL fused linear cross-entropy (mean or sum only: gradients in
+    the forward, whole bf16 logits; M a multiple of 128, V of 256)."""
+    from liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90 import (
+        liger_fused_linear_cross_entropy_sm90 as flce,
+    )
+
+    def loss(hidden, weight, targets, mode):
+        assert mode == "mean", "mean-loss only"
+        return flce(hidden, weight, targets, IGNORE_INDEX, "mean")
+
+    return loss
+
+
+def quack_loss() -> Callable:
+    """QuACK 0.6.5's `chunked_linear_cross_entropy` (mean or sum only; its defaults: 4096-token
+    chunks, the scaled-exp pipeline where eligible)."""
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+    def loss(hidden, weight, targets, mode):
+        assert mode == "mean", "mean-loss only"
+        return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index=IGNORE_INDEX)
+
+    return loss
+
+
+PEERS: dict[str, Callable[[], Callable]] = {
+    "Liger FLCE": liger_flce,
+    kernel_targets.LIGER_CUTE: liger_cute_loss,
+    kernel_targets.LIGER_CUTE_FLCE: liger_cute_flce_loss,
+    kernel_targets.QUACK: quack_loss,
+    "Apple CCE": cce_loss,
+    kernel_targets.CCE_COMPILE: cce_compiled_loss,
+}
 
 
 def measure(
@@ -411,27 +472,70 @@ def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
     rows = [measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None)]
     with torch.no_grad():
         rows.append(measure("stock PyTorch", lambda: stock_forward(inp), None, None))
-        rows.append(measure("lce triton", lambda: lce_loss(**_args(inp), mode="token"), None, None))
+        forward = functools.partial(lce_loss, **_args(inp), mode="token")
+        rows.append(measure("lce triton", forward, None, None))
+        with triton_config_changed(keep_logits_bytes=KEEP_ALL):
+            rows.append(measure(kernel_targets.LCE_KEPT, forward, None, None))
         for name, loss_fn in peers.items():
             rows.append(measure(name, lambda f=loss_fn: f(**_args(inp), mode="mean"), None, None))
     methods = {"stock PyTorch": stock_loss, "lce triton": lce_loss, **peers}
     for mode in ("mean", "token"):
         for name, loss_fn in methods.items():
-            rows.append(measure(name, grads_of(loss_fn, inp, mode), ref, mode))
-    fp32_buffer = dataclasses.replace(triton_config.GPU_CONFIG, grad_weight_fp32=True)
-    saved, triton_config.GPU_CONFIG = triton_config.GPU_CONFIG, fp32_buffer
-    rows.append(
-        measure("lce triton, fp32 grad_weight", grads_of(lce_loss, inp, "mean"), ref, "mean")
-    )
-    triton_config.GPU_CONFIG = saved
-    rows.append(measure(kernel_targets.LCE_FAST, grads_of(lce_fast_loss, inp, "mean"), ref, "mean"))
-    main_grad = torch.zeros(vocab, hidden_size, dtype=torch.float32, device="cuda")
-    run = main_grad_run(inp, main_grad)
-    rows.append(measure(kernel_targets.LCE_MAIN_GRAD, run, ref, "mean", reset=main_grad.zero_))
-    del main_grad, run
+            if mode == "mean" or name not in kernel_targets.MEAN_ONLY:
+                rows.append(measure(name, grads_of(loss_fn, inp, mode), ref, mode))
+        with triton_config_changed(keep_logits_bytes=KEEP_ALL):
+            rows.append(measure(kernel_targets.LCE_KEPT, grads_of(lce_loss, inp, mode), ref, mode))
+    rows += lce_scalar_rows(inp, ref)
     rows.append(measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None))
     grads_gib = (num_tokens + vocab) * hidden_size * 2 / GIB
     return {"shape": shape, "T_H_V": SHAPES[shape], "grads_gib": grads_gib, "rows": rows}
+
+
+# A keep_logits_bytes that keeps the logits at every benchmark shape.
+KEEP_ALL = 1 << 40
+
+
+@contextlib.contextmanager
+def triton_config_changed(**changes) -> Iterator[None]:
+    """`GPU_CONFIG` with ``changes`` inside (what the stages read at each call)."""
+    saved = triton_config.GPU_CONFIG
+    triton_config.GPU_CONFIG = dataclasses.replace(saved, **changes)
+    try:
+        yield
+    finally:
+        triton_config.GPU_CONFIG = saved
+
+
+def lce_scalar_rows(inp: dict, ref: dict) -> list[dict]:
+    """lce's other mean-loss rows: the fp32 grad_weight buffer, fast, main_grad; and the cuBLAS
+    GEMMs of the main_grad path alone, chunked as it runs them (no row kernels)."""
+    with triton_config_changed(grad_weight_fp32=True):
+        name = "lce triton, fp32 grad_weight"
+        rows = [measure(name, grads_of(lce_loss, inp, "mean"), ref, "mean")]
+    rows.append(measure(kernel_targets.LCE_FAST, grads_of(lce_fast_loss, inp, "mean"), ref, "mean"))
+    main_grad = torch.zeros(inp["weight"].shape, dtype=torch.float32, device="cuda")
+    run = main_grad_run(inp, main_grad)
+    rows.append(measure(kernel_targets.LCE_MAIN_GRAD, run, ref, "mean", reset=main_grad.zero_))
+    rows.append(measure(PATH_GEMMS, lambda: path_gemms(inp, main_grad), None, "mean"))
+    return rows
+
+
+PATH_GEMMS = "cuBLAS GEMMs of the main_grad path"
+
+
+def path_gemms(inp: dict, main_grad: torch.Tensor) -> None:
+    """The main_grad path's three cuBLAS GEMMs per token chunk, nothing else: logits in weight's
+    dtype, grad_hidden rows in fp32, grad_weight added into ``main_grad`` in fp32."""
+    hidden, weight = inp["hidden"], inp["weight"]
+    step = TritonStages().loss_chunk_rows(*hidden.shape[:1], *weight.shape[:1], 2)
+    logits = weight.new_empty(min(step, hidden.shape[0]), weight.shape[0])
+    grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], step):
+        rows = slice(start, start + step)
+        chunk = logits[: hidden[rows].shape[0]]
+        mm_into(hidden[rows], weight.T, out=chunk)
+        mm_into(chunk, weight, out=grad_hidden[rows])
+        addmm_(main_grad, chunk.T, hidden[rows])
 
 
 def _args(inp: dict) -> dict:
@@ -471,6 +575,10 @@ def main() -> None:
     parser.add_argument("--json", required=True, help="where to write all numbers")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES keys")
     parser.add_argument("--no-sweep", action="store_true", help="keep the configured tiles")
+    parser.add_argument(
+        "--breakdown-shapes", default=TARGET_SHAPE, help="SHAPES keys of the stage breakdown"
+    )
+    parser.add_argument("--skip-peers", default="", help="comma-separated peer names not to run")
     args = parser.parse_args()
     env = {
         "device": torch.cuda.get_device_name(),
@@ -488,10 +596,12 @@ def main() -> None:
     if not args.no_sweep:
         report["sweep"], chosen = sweep(*SHAPES["llama3-8k"])
         triton_config.GPU_CONFIG = chosen
-    report["breakdown_llama3-8k"] = breakdown(*SHAPES["llama3-8k"])
+    for shape in filter(None, args.breakdown_shapes.split(",")):
+        report[f"breakdown_{shape}"] = breakdown(*SHAPES[shape])
     report["config"] = dataclasses.asdict(triton_config.GPU_CONFIG)
     print("config", report["config"], flush=True)
-    peers, report["peers_unavailable"] = peer_losses()
+    skip = frozenset(filter(None, args.skip_peers.split(",")))
+    peers, report["peers_unavailable"] = peer_losses(skip)
     report["shapes"] = []
     for shape in args.shapes.split(","):
         report["shapes"].append(bench_shape(shape, peers))
@@ -505,6 +615,8 @@ def main() -> None:
             print_targets(result, report)
     for result in report["shapes"]:
         print_issue24_targets(result, report, report["peers_unavailable"])
+    for result in report["shapes"]:
+        print_issue33_targets(result, report, report["peers_unavailable"])
     Path(args.json).write_text(json.dumps(report, indent=1))
 
 
@@ -530,6 +642,19 @@ def print_issue24_targets(result: dict, report: dict, unavailable: dict[str, str
     }
     table = kernel_targets.format_verdicts(verdicts, skipped)
     print(f"\n## issue-24 targets at {result['shape']}\n{table}")
+
+
+def print_issue33_targets(result: dict, report: dict, unavailable: dict[str, str]) -> None:
+    """Issue 33's verdicts at one shape, printed and stored in ``report``."""
+    verdicts, skipped = kernel_targets.judge_issue33(
+        result["rows"], result["grads_gib"], unavailable
+    )
+    report[f"issue33_targets_{result['shape']}"] = {
+        "verdicts": [v.row() for v in verdicts],
+        "not_judged": skipped,
+    }
+    table = kernel_targets.format_verdicts(verdicts, skipped)
+    print(f"\n## issue-33 targets at {result['shape']}\n{table}")
 
 
 if __name__ == "__main__":

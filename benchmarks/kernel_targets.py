@@ -1,5 +1,5 @@
-"""Issue 3's and issue 24's targets, judged from one shape's rows of `kernel_gpu.py` (same-run
-ratios).
+"""Issue 3's, issue 24's and issue 33's targets, judged from one shape's rows of `kernel_gpu.py`
+(same-run ratios).
 
 Pure Python over the benchmark's row dicts (``method``, ``mode``, ``ms``, ``peak_gib``,
 ``gx_rel``, ``gw_rel``), so the verdicts are printed and stored by every benchmark run, and
@@ -8,6 +8,7 @@ tested without a GPU.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 LCE = "lce triton"
@@ -17,6 +18,9 @@ LCE_MAIN_GRAD = "lce triton, 3 GEMMs into main_grad"
 LCE_FAST = "lce triton, fast (3 GEMMs)"
 CCE_COMPILE = "CCE torch_compile"
 LIGER_CUTE = "Liger CuTe (Hopper)"
+LIGER_CUTE_FLCE = "Liger CuTe FLCE (Hopper)"
+QUACK = "QuACK chunked"
+LCE_KEPT = "lce triton, kept logits"
 # Both paths round d_logits and the gradients to bf16 once, so their errors against the fp32
 # reference agree to ~1% (1.6573e-3 vs 1.6651e-3 at llama3-8k); above 2% lce adds error of its own.
 ERROR_SLACK = 1.02
@@ -74,17 +78,8 @@ def judge_issue24(
     run lacks: a path that raised, or a peer that did not import, whose import error
     ``unavailable`` maps from its method name)."""
     gemm = min(r["ms"] for r in rows if r["method"] == GEMM and "ms" in r)
-    verdicts: list[Verdict] = []
-    skipped: dict[str, str] = {}
-
-    def add(target: str, measure) -> None:
-        try:
-            verdicts.append(Verdict(target, *measure()))
-        except KeyError as exc:
-            missing = exc.args[0]
-            why = [f"{peer} unavailable: {error}" for peer, error in (unavailable or {}).items()
-                   if repr(peer) in missing]  # fmt: skip
-            skipped[target] = why[0] if why else f"no row: {missing}"
+    judged = _Judged(rows, unavailable or {})
+    add = judged.add
 
     def ratio(method: str, peer: str, field: str = "ms") -> float:
         return _row(rows, method, "mean")[field] / _row(rows, peer, "mean")[field]
@@ -120,7 +115,88 @@ def judge_issue24(
     add("per-token path faster than Liger's Hopper CuTe kernel", lambda: (per_token("ms"), 1.0))
     for grad in ("gx_rel", "gw_rel"):
         add(f"per-token {grad[:2]} error <= Liger CuTe's", lambda g=grad: (per_token(g), 1.0))
-    return verdicts, skipped
+    return judged.verdicts, judged.skipped
+
+
+def judge_issue33(
+    rows: list[dict], grads_gib: float, unavailable: dict[str, str] | None = None
+) -> tuple[list[Verdict], dict[str, str]]:
+    """Issue 33's verdicts of one shape and the targets not judged with the reason (as
+    `judge_issue24`). Scalar loss (``grad_weight_into``, ``fast``; the kept-logits path where the
+    run has it): <= 1.06x of 3 GEMMs, faster than CCE torch_compile, Liger's Hopper CuTe loss and
+    QuACK. Per-token outputs and the default mean loss: <= 1.08x of 4 GEMMs, faster than Liger's
+    per-token CuTe op and the stock path, peak <= 1.15x the gradients. Forward <= 1.05x one
+    GEMM. Errors no larger than the stock path's everywhere."""
+    gemm = min(r["ms"] for r in rows if r["method"] == GEMM and "ms" in r)
+    judged = _Judged(rows, unavailable or {})
+    judged.add("forward <= 1.05x one GEMM", lambda: (_row(rows, LCE, "fwd")["ms"] / gemm, 1.05))
+    scalar = [("grad_weight_into", LCE_MAIN_GRAD, "mean"), ("fast", LCE_FAST, "mean")]
+    if any(r["method"] == LCE_KEPT for r in rows):
+        scalar += [("kept logits, mean", LCE_KEPT, "mean")]
+        scalar += [("kept logits, per-token", LCE_KEPT, "token")]
+    for name, method, mode in scalar:
+        judged.speed(name, method, mode, (3, gemm, 1.06), (CCE_COMPILE, LIGER_CUTE_FLCE, QUACK))
+        if method != LCE_FAST:  # fast keeps an fp32 [V, H] buffer of its own (issue 24's target)
+            judged.peak(name, method, mode, grads_gib, 1.5)
+        judged.errors(name, method, mode)
+    for name, mode in (("per-token", "token"), ("default mean", "mean")):
+        judged.speed(name, LCE, mode, (4, gemm, 1.08), (LIGER_CUTE, STOCK))
+        judged.peak(name, LCE, mode, grads_gib, 1.15)
+        judged.errors(name, LCE, mode)
+    return judged.verdicts, judged.skipped
+
+
+class _Judged:
+    """Verdicts of one shape's rows; a target whose rows are missing goes to ``skipped`` with
+    the reason (a peer's import error from ``unavailable``, else the missing row)."""
+
+    def __init__(self, rows: list[dict], unavailable: dict[str, str]) -> None:
+        self.rows, self.unavailable = rows, unavailable
+        self.verdicts: list[Verdict] = []
+        self.skipped: dict[str, str] = {}
+
+    def add(self, target: str, measure) -> None:
+        try:
+            self.verdicts.append(Verdict(target, *measure()))
+        except KeyError as exc:
+            missing = exc.args[0]
+            why = [f"{peer} unavailable: {error}" for peer, error in self.unavailable.items()
+                   if repr(peer) in missing]  # fmt: skip
+            why += [f"{row['method']} raised {row['error']}" for row in self.rows if "error" in row
+                    and f"{row['method']!r} in mode {row['mode']!r}" in missing]  # fmt: skip
+            self.skipped[target] = why[0] if why else f"no row: {missing}"
+
+    def ratio(self, method: str, peer: str, mode: str, field: str) -> float:
+        peer_mode = mode if peer not in MEAN_ONLY else "mean"
+        return _row(self.rows, method, mode)[field] / _row(self.rows, peer, peer_mode)[field]
+
+    def speed(self, name: str, method: str, mode: str, floor, peers: tuple[str, ...]) -> None:
+        """``floor`` = (GEMMs, one GEMM's ms, limit as a multiple of those GEMMs)."""
+        gemms, gemm_ms, limit = floor
+        self.add(
+            f"{name} <= {limit:.2f}x of {gemms} GEMMs",
+            lambda: (_row(self.rows, method, mode)["ms"] / (gemms * gemm_ms), limit),
+        )
+        for peer in peers:
+            ratio = functools.partial(self.ratio, method, peer, mode, "ms")
+            self.add(f"{name} faster than {peer}", lambda r=ratio: (r(), 1.0))
+
+    def peak(self, name, method, mode, grads_gib, limit) -> None:
+        self.add(
+            f"{name} peak <= {limit}x the gradients",
+            lambda: (_row(self.rows, method, mode)["peak_gib"] / grads_gib, limit),
+        )
+
+    def errors(self, name, method, mode) -> None:
+        for grad in ("gx_rel", "gw_rel"):
+            self.add(
+                f"{name} {grad[:2]} error <= stock PyTorch's (x{ERROR_SLACK})",
+                lambda g=grad: (self.ratio(method, STOCK, mode, g), ERROR_SLACK),
+            )
+
+
+# Peers measured on the mean loss only (their kernels return no per-token outputs).
+MEAN_ONLY = frozenset({LIGER_CUTE_FLCE, QUACK})
 
 
 def ms_of(rows: list[dict], method: str) -> float:

@@ -71,3 +71,55 @@ def test_issue24_targets_of_a_peer_that_did_not_import_say_why() -> None:
     assert judged["default path <= 1.10x of 4 GEMMs"].measured == pytest.approx(
         56.7689 / (4 * 11.6163)
     )
+
+
+# The issue-33 table's llama3-8k rows (one H100, lce at main 32c7c3e); peaks, errors and the
+# per-token peers made up where the table has none.
+ISSUE33_ROWS = [
+    _row("1 bf16 GEMM", "fwd", 11.28),
+    _row("lce triton", "fwd", 13.4, 0.08),
+    _row(kernel_targets.LCE_MAIN_GRAD, "mean", 41.1, 1.10, 1.66e-3, 3.0e-5),
+    _row(kernel_targets.LCE_FAST, "mean", 42.0, 3.19, 1.66e-3, 1.66e-3),
+    _row(kernel_targets.CCE_COMPILE, "mean", 37.7, 2.88, 1.66e-3, 1.66e-3),
+    _row(kernel_targets.LIGER_CUTE_FLCE, "mean", 44.0, 1.5, 1.66e-3, 1.7e-3),
+    _row("stock PyTorch", "mean", 51.7, 11.74, 1.66e-3, 1.66e-3),
+    _row("stock PyTorch", "token", 51.2, 11.74, 2.35e-3, 2.34e-3),
+    _row("lce triton", "mean", 53.4, 1.12, 1.66e-3, 1.66e-3),
+    _row("lce triton", "token", 54.8, 1.12, 2.35e-3, 2.34e-3),
+    _row(kernel_targets.LIGER_CUTE, "token", 53.2, 1.29, 2.35e-3, 2.6e-3),
+    _row(kernel_targets.LCE_KEPT, "token", 40.0, 2.9, 2.35e-3, 2.34e-3),
+]
+
+
+def test_issue33_verdicts_of_the_issue_table() -> None:
+    quack_error = "ModuleNotFoundError: No module named 'quack'"
+    verdicts, skipped = kernel_targets.judge_issue33(
+        ISSUE33_ROWS, GRADS_GIB, {kernel_targets.QUACK: quack_error}
+    )
+    judged = {v.target: v for v in verdicts}
+    main_grad = judged["grad_weight_into <= 1.06x of 3 GEMMs"]
+    assert main_grad.measured == pytest.approx(41.1 / (3 * 11.28)) and not main_grad.met
+    assert judged["grad_weight_into faster than CCE torch_compile"].over == pytest.approx(
+        41.1 / 37.7 - 1
+    )
+    assert judged["grad_weight_into faster than Liger CuTe FLCE (Hopper)"].met
+    assert skipped["fast faster than QuACK chunked"] == f"QuACK chunked unavailable: {quack_error}"
+    assert not judged["forward <= 1.05x one GEMM"].met
+    per_token = judged["per-token <= 1.08x of 4 GEMMs"]
+    assert per_token.measured == pytest.approx(54.8 / (4 * 11.28))
+    assert not judged["per-token faster than stock PyTorch"].met  # 54.8 vs 51.2 ms
+    assert judged["per-token peak <= 1.15x the gradients"].met
+    # The kept-logits per-token path is judged as the scalar loss, against the mean-only peers'
+    # mean-loss rows; its peak (the whole logits) misses the scalar loss's 1.5x.
+    assert judged["kept logits, per-token faster than Liger CuTe FLCE (Hopper)"].met
+    assert not judged["kept logits, per-token peak <= 1.5x the gradients"].met
+    assert skipped["kept logits, mean <= 1.06x of 3 GEMMs"].startswith("no row")
+    # A peer that imported but raised at this shape: the reason is its error.
+    rows = [
+        *ISSUE33_ROWS,
+        {"method": kernel_targets.QUACK, "mode": "mean", "error": "ValueError: m == n"},
+    ]
+    _, skipped = kernel_targets.judge_issue33(rows, GRADS_GIB)
+    assert skipped["fast faster than QuACK chunked"] == "QuACK chunked raised ValueError: m == n"
+    # fast's peak is no issue-33 target (its fp32 buffer is issue 24's).
+    assert not any(name.startswith("fast peak") for name in {**judged, **skipped})

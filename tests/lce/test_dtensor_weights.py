@@ -8,8 +8,8 @@ tests/lce/dtensor_jobs.py and run on every rank of the pool's TP group.
 from __future__ import annotations
 
 import pytest
-
 from tests.test_core import BACKENDS
+
 from verify.distributed import WorkerPool
 from verify.numerics.tolerances import load
 

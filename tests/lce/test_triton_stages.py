@@ -286,7 +286,7 @@ def test_backward_dlogits_inside_grad_weight(dtype):
     hidden, weight, targets = make_case(num_tokens, hidden_size, vocab, 0, dtype, seed=12)
     upstream = strided_upstream(targets, seed=13, expanded_entropy=False)
     tile = num_tokens * hidden.element_size() * 64
-    config = small_config(chunk_bytes=3 * tile, tail_chunk_bytes=tile)
+    config = small_config(chunk_bytes=2 * tile, aliased_chunk_bytes=3 * tile, tail_chunk_bytes=tile)
     free = torch.empty_like(weight)
     chunks = stages_module._dlogits_chunks(num_tokens, weight, free, config)
     assert [c.start for c, _ in chunks] == [0] + [c.stop for c, _ in chunks[:-1]]

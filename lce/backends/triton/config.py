@@ -75,6 +75,18 @@ class TritonConfig:
     tail buffer: 1.08x the gradients at llama3-8k on an H200, where a ``chunk_bytes`` buffer of
     its own gave 1.18x (H100: 256, 128 and 64 MiB gave 1.30x, 1.18x and 1.12x at 54.8, 55.5 and
     57.3 ms).
+    ``aliased_chunk_bytes``: most bytes of a d_logits chunk that lies in grad_weight's rows (no
+    memory of its own, so wider costs no peak): fewer chunks mean fewer fp32 read-and-write passes
+    over grad_hidden's sums and fewer kernel tails. Never below ``chunk_bytes``. On an H100 the
+    backward took 86.7 / 80.5 ms at 128 MiB / 1 GiB for qwen2.5-16k (49 / 27 chunks), 48.0 / 46.7
+    ms for gemma2-8k, 38.5 / 38.9 ms for llama3-8k, same peak (benchmarks/kernel_gpu.py's
+    breakdown).
+    ``keep_logits_bytes``: opt-in. Where the ``[T, V_local]`` logits in weight's dtype fit this many
+    bytes (and the stages run without ``chunk_size``), the forward computes them with cuBLAS,
+    takes its statistics from them and keeps them for the backward, which writes d_logits over them
+    in place: 3 GEMMs instead of 4, for that much more peak memory. The logits are then rounded to
+    weight's dtype before the softmax, as in the 3-GEMM scalar loss (`loss_kernels`), where the
+    fused forward keeps fp32 dots. 0 (default) never keeps them.
     ``fp32_precision``: ``tl.dot`` mode for fp32 inputs; ``ieee`` (default) matches an fp32
     reference, ``tf32`` is faster and ~3e-4 relative. Low-precision inputs ignore it; the
     backward's cuBLAS GEMMs follow ``torch.backends.cuda.matmul.allow_tf32`` instead.
@@ -96,6 +108,8 @@ class TritonConfig:
     tiles_per_program: int = 8
     chunk_bytes: int = 128 << 20
     tail_chunk_bytes: int = 16 << 20
+    aliased_chunk_bytes: int = 1 << 30
+    keep_logits_bytes: int = 0
     fp32_precision: str = "ieee"
     use_tma: bool = True
     grad_weight_fp32: bool = False
@@ -109,9 +123,11 @@ class TritonConfig:
             )
         if self.tiles_per_program < 1:
             raise ValueError(f"tiles_per_program must be >= 1, got {self.tiles_per_program}")
-        for name in ("chunk_bytes", "tail_chunk_bytes", "loss_chunk_bytes"):
+        for name in ("chunk_bytes", "tail_chunk_bytes", "aliased_chunk_bytes", "loss_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.keep_logits_bytes < 0:
+            raise ValueError(f"keep_logits_bytes must be >= 0, got {self.keep_logits_bytes}")
 
 
 # The interpreter pays ~10 ms per program step whatever the block size: few, large tiles.

@@ -1,5 +1,6 @@
-"""Row kernels of the 3-GEMM loss: over a materialized ``[rows, V_local]`` logits chunk in weight's
-dtype (raw dots, no temperature), the shard statistics, then d_logits written over it in place.
+"""Row kernels of the 3-GEMM paths: over a materialized ``[rows, V_local]`` logits chunk in weight's
+dtype (raw dots, no temperature), the shard statistics, then d_logits written over it in place
+(the scalar loss's, or with the entropy term for the kept-logits path, `kept_logits`).
 
 The GEMMs around them are cuBLAS's (`lce.backends.gemm`); these kernels are memory-bound
 sweeps, one program per token row walking the vocabulary in ascending tiles.
@@ -11,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lce.backends.base import BackwardRows
 from lce.backends.triton.config import interpreting
 from lce.backends.triton.tiles import round_bf16_rne
 
@@ -136,6 +138,7 @@ def row_stats_into(
     do_not_specialize=["vocab_start"],
     do_not_specialize_on_alignment=[
         "targets_ptr", "max_ptr", "log_sumexp_ptr", "coef_ptr", "target_grad_ptr",
+        "grad_entropy_ptr", "centred_mean_ptr",
     ],
 )  # fmt: skip
 def _row_dlogits_kernel(
@@ -146,6 +149,8 @@ def _row_dlogits_kernel(
     log_sumexp_ptr,
     coef_ptr,
     target_grad_ptr,
+    grad_entropy_ptr,
+    centred_mean_ptr,
     V,
     vocab_start,
     inv_temp,
@@ -153,6 +158,7 @@ def _row_dlogits_kernel(
     stride_ot,
     BLOCK_V: tl.constexpr,
     BF16_INTERPRETED: tl.constexpr,
+    ENTROPY: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
@@ -161,14 +167,22 @@ def _row_dlogits_kernel(
     log_sumexp = tl.load(log_sumexp_ptr + row)
     coef = tl.load(coef_ptr + row)
     target_grad = tl.load(target_grad_ptr + row)
+    if ENTROPY:  # as the backward kernel: coef is g_lp, target_grad d_z on the target lane
+        g_ent = tl.load(grad_entropy_ptr + row)
+        centred_mean = tl.load(centred_mean_ptr + row)
+        # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed.
+        active = (coef != 0.0) | (g_ent != 0.0)
     for tile_start in range(0, V, BLOCK_V):
         offs = tile_start + cols
         in_v = offs < V
         acc = tl.load(logits_ptr + row * stride_lt + offs, mask=in_v, other=0.0)
         # Centred before the scale, as the statistics were (`ShardStats`): no rounding at |z|.
         centred = (acc.to(tl.float32) - row_max) * inv_temp
-        d = coef * tl.exp(centred - log_sumexp)
+        p = tl.exp(centred - log_sumexp)
+        d = -p * (coef + g_ent * (centred - centred_mean)) if ENTROPY else coef * p
         d = tl.where(offs == local_target, target_grad, d)
+        if ENTROPY:
+            d = tl.where(active, d * inv_temp, 0.0)
         if BF16_INTERPRETED:
             d = round_bf16_rne(d)  # the interpreter's bf16 cast truncates
         tl.store(out_ptr + row * stride_ot + offs, d.to(out_ptr.dtype.element_ty), mask=in_v)
@@ -192,11 +206,43 @@ def row_dlogits(
     ``out`` (``[rows, V_local]``, unit column stride) may be ``logits`` itself: each element is
     read, then written, by the same thread.
     """
+    _launch_row_dlogits(
+        logits, out, targets, vocab_start, temperature,
+        (global_max, log_sumexp, coef, target_grad, coef, coef), False,
+    )  # fmt: skip
+
+
+def row_dlogits_with_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    temperature: float,
+    rows: BackwardRows,
+) -> None:
+    """d_logits of `BackwardRows` written over ``logits`` in place, as the backward kernel
+    (`backward_kernel`) computes them from its fp32 dots, here from the logits as stored: ``d_z =
+    -p (g_lp + g_ent (z - E[z]))`` off the target lane, ``rows.target_grad`` on it, divided by the
+    temperature; 0 on rows whose two upstream gradients are 0. ``rows`` fp32, contiguous.
+    """
+    per_row = (rows.max, rows.log_sumexp, rows.grad_logprob, rows.target_grad, rows.grad_entropy,
+               rows.centred_mean)  # fmt: skip
+    _launch_row_dlogits(logits, logits, targets, vocab_start, temperature, per_row, True)
+
+
+def _launch_row_dlogits(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    temperature: float,
+    per_row: tuple[torch.Tensor, ...],
+    entropy: bool,
+) -> None:
     num_rows, vocab = logits.shape
     _row_dlogits_kernel[(num_rows,)](
-        logits, out, targets, global_max, log_sumexp, coef, target_grad, vocab, vocab_start,
+        logits, out, targets, *per_row, vocab, vocab_start,
         1.0 / temperature, logits.stride(0), out.stride(0), BLOCK_V=_block_v(),
-        BF16_INTERPRETED=interpreting() and out.dtype == torch.bfloat16,
+        BF16_INTERPRETED=interpreting() and out.dtype == torch.bfloat16, ENTROPY=entropy,
         num_warps=8,
         # No FMA: each lane centred and rounded as the row statistics rounded it (see the backward
         # kernel).

@@ -4,7 +4,8 @@ Forward: `forward_kernel` (one pass of logits tiles, online softmax). Backward: 
 `backward_kernel` recomputes logits and writes d_logits, then two GEMMs (`lce.backends.gemm`)
 accumulate grad_hidden and write grad_weight in fp32. With ``chunk_size`` both run per block of
 tokens. The 3-GEMM loss (`loss_grads_in_forward`): per token chunk, a cuBLAS logits GEMM, the
-row kernels of `loss_kernels`, and the two gradient GEMMs.
+row kernels of `loss_kernels`, and the two gradient GEMMs. Opt-in (`TritonConfig.
+keep_logits_bytes`): the forward keeps its logits for the backward (`kept_logits`), 3 GEMMs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from lce.backends.torch_chunked import GlobalMerge
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.config import TritonConfig, default_config
 from lce.backends.triton.forward_kernel import forward_partials, merge_partials
+from lce.backends.triton.kept_logits import (
+    KeptLogits,
+    backward_from_kept_logits,
+    fits,
+    forward_with_kept_logits,
+)
 from lce.backends.triton.loss_kernels import row_dlogits, row_stats_into
 
 # Token rows of a logits chunk are rounded to this (the GEMMs' tile multiple) when they fit.
@@ -53,6 +60,9 @@ class TritonStages:
     def __init__(self, config: TritonConfig | None = None, chunk_size: int | None = None) -> None:
         self.config = config
         self.chunk_size = chunk_size
+        # One call's logits, from its forward to its backward (`kept_logits`); `lce.backends.
+        # get_stages` makes a TritonStages per call, so no other call's backward finds them.
+        self._kept: KeptLogits | None = None
 
     def _config(self) -> TritonConfig:
         return self.config if self.config is not None else default_config()
@@ -79,6 +89,11 @@ class TritonStages:
             empty[0] = float("-inf")
             return ShardStats(*empty.unbind(0))
         targets = targets.contiguous()
+        if self.chunk_size is None and fits(num_tokens, weight, self._config().keep_logits_bytes):
+            stats, self._kept = forward_with_kept_logits(
+                hidden, weight, targets, vocab_start, temperature
+            )
+            return stats
         blocks = [
             merge_partials(
                 forward_partials(
@@ -112,6 +127,16 @@ class TritonStages:
         _check_operands(hidden, weight, targets)
         (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
         config = self._config()
+        kept, self._kept = self._kept, None  # used once: the backward overwrites them
+        if kept is not None and kept.matches(hidden, weight):
+            dtypes = (
+                grad_hidden_dtype or torch.float32,
+                torch.float32 if config.grad_weight_fp32 else weight.dtype,
+            )
+            return backward_from_kept_logits(
+                kept, hidden, weight, targets.contiguous(), vocab_start, temperature, rows,
+                (need_hidden, need_weight), dtypes,
+            )  # fmt: skip
         device = hidden.device
         blocks = self._token_blocks(num_tokens)
         grad_hidden = None
@@ -249,19 +274,20 @@ def _dlogits_chunks(
 
     Chunks are ``chunk_bytes`` wide. With ``grad_weight`` (written chunk by chunk, in order) in
     weight's dtype, a chunk's buffer lies in grad_weight's rows past the chunk, not written yet:
-    no buffer of its own at full width (128 MiB at llama3-8k). The chunks narrow as those rows
-    run out; once a ``tail_chunk_bytes`` chunk no longer fits there, a buffer of that size takes
-    the rest.
+    no buffer of its own, so chunks there are up to ``aliased_chunk_bytes`` wide. The chunks
+    narrow as those rows run out; once a ``tail_chunk_bytes`` chunk no longer fits there, a
+    buffer of that size takes the rest.
     """
     vocab_local, block_v = weight.shape[0], config.backward.block_v
-    widest = chunk_width(
-        num_tokens, vocab_local, weight.element_size(), config.chunk_bytes, block_v
-    )
-    tail = chunk_width(
-        num_tokens, vocab_local, weight.element_size(), config.tail_chunk_bytes, block_v
-    )
+
+    def width(budget: int) -> int:
+        return chunk_width(num_tokens, vocab_local, weight.element_size(), budget, block_v)
+
+    widest, tail = width(config.chunk_bytes), width(config.tail_chunk_bytes)
     inside = grad_weight is not None and grad_weight.dtype == weight.dtype and tail < widest
-    if not inside:
+    if inside:
+        widest = width(max(config.chunk_bytes, config.aliased_chunk_bytes))
+    else:
         tail = widest  # every chunk in one buffer of its own
     chunks: list[tuple[slice, torch.Tensor]] = []
     tail_buffer = None

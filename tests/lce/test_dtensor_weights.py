@@ -2,18 +2,18 @@
 
 A Shard(0) DTensor weight must run exactly the TP path (``tp_group=``, ``vocab_start=``): the same
 bits, forward and gradients, on both backends, uneven and empty shards included. The jobs live in
-tests/lce/dtensor_jobs.py and run on every rank of the pool's TP group.
+tests/helpers/dtensor_jobs.py and run on every rank of the pool's TP group.
 """
 
 from __future__ import annotations
 
 import pytest
-from tests.test_core import BACKENDS
 
+from tests.helpers.checks import BACKENDS
 from verify.distributed import WorkerPool
 from verify.numerics.tolerances import load
 
-JOBS = "tests.lce.dtensor_jobs"
+JOBS = "tests.helpers.dtensor_jobs"
 
 
 @pytest.fixture(scope="module")

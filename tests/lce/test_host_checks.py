@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.checks import core_problem
-from tests.test_core import BACKENDS
 
 import lce
 import lce.grad_buffer
@@ -25,6 +23,7 @@ from lce.validation import (
     host_checks,
     host_checks_setting,
 )
+from tests.helpers.checks import BACKENDS, core_problem
 
 T, H, V = 37, 40, 97
 # A device-side assert on a CPU tensor raises RuntimeError carrying its message.

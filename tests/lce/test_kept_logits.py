@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 import torch
-from tests.checks import assert_outputs_match, core_problem, reference_and_baseline
 
 import lce
 from lce.backends.triton import config as triton_config
 from lce.backends.triton import kept_logits, stages
+from tests.helpers.checks import assert_outputs_match, core_problem, reference_and_baseline
 
 T, H, V = 37, 40, 97
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,6 +9,7 @@ for.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from functools import partial
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import lce
+from lce.validation import HOST_CHECKS_ENV
 from verify.adapters import verl_kernel
 from verify.adapters.interface import (
     Adapter,
@@ -30,6 +32,10 @@ from verify.cases.spec import BACKENDS, LOSS_PATHS
 
 # What lce raises on an input it refuses; any other exception is a bug (it propagates).
 LCE_REFUSALS = (ValueError, TypeError, IndexError, RuntimeError)
+# The harness judges lce's named errors on bad targets (the status property) and any upstream
+# on main_grad: on CUDA lce checks those values with device-side asserts unless its host checks
+# are on (a failed assert would leave the worker's CUDA context unusable, a crash to the harness).
+os.environ.setdefault(HOST_CHECKS_ENV, "1")
 
 
 def _lce_tokens(call: Call) -> dict[str, torch.Tensor]:

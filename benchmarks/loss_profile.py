@@ -26,6 +26,9 @@ from lce.backends.triton import TritonStages
 from lce.backends.triton import config as triton_config
 from lce.backends.triton.forward_kernel import forward_partials
 from lce.backends.triton.loss_kernels import row_dlogits, row_stats_into
+from lce.options import LogitOptions
+
+PLAIN = LogitOptions()  # temperature 1, no other option: the plain LM head
 
 CHUNK_BUDGETS_GIB = (1.25, 1.5)
 
@@ -134,17 +137,17 @@ def stage_times(inp: dict, main_grad: torch.Tensor) -> dict:
     out = {"chunk_rows": rows, "chunks": -(-num_tokens // rows)}
     for block_v, warps in ((2048, 8), (4096, 8), (2048, 4), (1024, 4), (4096, 16), (8192, 16)):
         name = f"row_stats_block{block_v}_warps{warps}"
-        stats_fn = functools.partial(row_stats_into, logits, t, 0, 1.0, stats, block_v, warps)
+        stats_fn = functools.partial(row_stats_into, logits, t, 0, PLAIN, stats, block_v, warps)
         out[name] = time_ms(stats_fn)
         print("stage", name, out[name], flush=True)
     timed = {
         "logits_gemm": lambda: mm_into(h, weight.T, out=logits),
         "forward_partials_kernel": lambda: forward_partials(
-            h, weight, t, 0, 1.0, triton_config.GPU_CONFIG
+            h, weight, t, 0, PLAIN, triton_config.GPU_CONFIG
         ),
-        "row_stats": lambda: row_stats_into(logits, t, 0, 1.0, stats),
+        "row_stats": lambda: row_stats_into(logits, t, 0, PLAIN, stats),
         "row_dlogits": lambda: row_dlogits(
-            logits, logits, t, 0, 1.0, stats[0], ones, ones * 1e-4, ones
+            logits, logits, t, 0, PLAIN, stats[0], ones, ones * 1e-4, ones
         ),
         "copy_logits_once": lambda: logits.clone(),
         "grad_hidden_fp32_out": lambda: mm_into(logits, weight, out=grad_hidden),

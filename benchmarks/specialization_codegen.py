@@ -39,6 +39,7 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
     from lce.backends.base import BackwardRows
     from lce.backends.triton import backward_kernel, forward_kernel, loss_kernels, stages
     from lce.backends.triton.config import GPU_CONFIG
+    from lce.options import LogitOptions
 
     kernels = {
         "forward": forward_kernel._forward_partials_kernel,
@@ -67,9 +68,9 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
     targets = torch.zeros(num_tokens, dtype=torch.int64)
     launches = {}
     partials = forward_kernel.forward_partials(
-        hidden, weight, targets, vocab_start, 1.0, GPU_CONFIG
+        hidden, weight, targets, vocab_start, LogitOptions(), GPU_CONFIG
     )
-    forward_kernel.merge_partials(partials, 1.0)
+    forward_kernel.merge_partials(partials, LogitOptions())
     launches["forward"], launches["merge"] = captured.pop("forward"), captured.pop("merge")
     # As FusedLogprobEntropy.backward builds them: fresh fp32 rows, bf16 grad_weight.
     rows = BackwardRows(*torch.empty(6, num_tokens).unbind(0))
@@ -78,15 +79,17 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
     for index in (0, len(chunks) - 1):
         chunk, buffer = chunks[index]
         backward_kernel.dlogits_chunk(
-            hidden, weight[chunk], targets, vocab_start + chunk.start, 1.0, rows, buffer, GPU_CONFIG
-        )
+            hidden, weight[chunk], targets, vocab_start + chunk.start, LogitOptions(), rows,
+            buffer, GPU_CONFIG,
+        )  # fmt: skip
         launches[f"d_logits[{index}]"] = captured.pop("d_logits")
     step = stages.TritonStages(GPU_CONFIG).loss_chunk_rows(num_tokens, vocab_local, 2)
     logits = torch.empty(step, vocab_local, dtype=torch.bfloat16)
     per_row = torch.empty(5, step).unbind(0)
     stats = torch.empty(4, num_tokens)
-    loss_kernels.row_stats_into(logits, targets[:step], vocab_start, 1.0, stats[:, :step])
-    loss_kernels.row_dlogits(logits, logits, targets[:step], vocab_start, 1.0, *per_row[:4])
+    plain = LogitOptions()
+    loss_kernels.row_stats_into(logits, targets[:step], vocab_start, plain, stats[:, :step])
+    loss_kernels.row_dlogits(logits, logits, targets[:step], vocab_start, plain, *per_row[:4])
     launches["row_stats"], launches["row_dlogits"] = (
         captured.pop("row_stats"),
         captured.pop("row_dlogits"),

@@ -11,8 +11,8 @@ from lce.autograd import FusedLogprobEntropy, FusedScalarLoss, Plan
 from lce.backends import get_stages, resolve_backend_name
 from lce.backends.torch_chunked import default_chunk_size
 from lce.grad_buffer import loss_into_grad_buffer
-from lce.options import LCEOptions
-from lce.tp import CallShape, agree_on_call, resolve_shard, usable_group
+from lce.options import LCEOptions, LogitOptions
+from lce.tp import CallShape, agree_on_call, logit_key, resolve_shard, usable_group
 from lce.validation import check_inputs, check_reduction
 
 
@@ -58,12 +58,12 @@ def token_logprobs(
         Under TP every rank passes the same tokens and either all or none pass ``vocab_start``;
         ranks that disagree all raise the same ``ValueError`` before any per-token collective.
     """
-    options = LCEOptions(
-        ignore_index=ignore_index, temperature=temperature, tp_group=tp_group,
-        vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
-        chunk_size=chunk_size,
+    plan = _plan(
+        hidden, weight, targets, "none", {"temperature": temperature},
+        ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
+        reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
     )  # fmt: skip
-    return _token_outputs(hidden, weight, targets, _plan(hidden, weight, targets, options))
+    return _token_outputs(hidden, weight, targets, plan)
 
 
 def linear_cross_entropy(
@@ -102,12 +102,11 @@ def linear_cross_entropy(
             other stays exact but recomputes the logits of the rows where it differs.
     Other arguments as in `token_logprobs`.
     """
-    options = LCEOptions(
-        ignore_index=ignore_index, temperature=temperature, tp_group=tp_group,
-        vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
-        chunk_size=chunk_size,
+    plan = _plan(
+        hidden, weight, targets, reduction, {"temperature": temperature},
+        ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
+        reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
     )  # fmt: skip
-    plan = _plan(hidden, weight, targets, options, reduction)
     if grad_weight_into is not None and _grads_wanted(hidden, weight):
         return loss_into_grad_buffer(
             hidden, weight, targets, plan, grad_weight_into, reduction, assumed_loss_grad
@@ -122,7 +121,7 @@ def linear_cross_entropy(
     total = -logprobs.sum()
     if reduction == "sum":
         return total
-    return total / (targets != options.ignore_index).sum()
+    return total / (targets != plan.options.ignore_index).sum()
 
 
 def _token_outputs(
@@ -142,12 +141,18 @@ def _plan(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    options: LCEOptions,
-    reduction: str = "none",
+    reduction: str,
+    logit: dict[str, object],
+    **settings: object,
 ) -> Plan:
-    """Check the arguments, agree with the TP group's other ranks, pick the stages and shard."""
-    group = usable_group(options.tp_group)
+    """Check the arguments, agree with the TP group's other ranks, pick the stages and shard.
+
+    ``logit`` holds the `LogitOptions` fields, ``settings`` the other `LCEOptions` fields. Every
+    rejected argument raises on every rank of the TP group alike (`agree_on_call`).
+    """
+    group = usable_group(settings["tp_group"])
     try:
+        options = LCEOptions(logit=LogitOptions(**logit), **settings)
         check_reduction(reduction)
         check_inputs(hidden, weight, targets)
         backend = resolve_backend_name(options.backend, hidden.device, weight.dtype)
@@ -157,7 +162,10 @@ def _plan(
         raise
     chunk_size = options.chunk_size
     if group is not None:
-        shape = CallShape(targets.numel(), weight.shape[0], options.vocab_start is not None)
+        shape = CallShape(
+            targets.numel(), weight.shape[0], options.vocab_start is not None,
+            logit_key(options.logit),
+        )  # fmt: skip
         largest_shard = agree_on_call(group, shape, None)
         if backend == "torch" and chunk_size is None:
             # The scalar-loss path merges per chunk: every rank must cut the tokens alike.

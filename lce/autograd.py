@@ -34,7 +34,8 @@ def kernel_ids(targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, 
 
 
 class FusedLogprobEntropy(torch.autograd.Function):
-    """``(logprobs, entropy)`` fp32 ``[T]`` of ``log_softmax(hidden @ weight.T / temperature)``.
+    """``(logprobs, entropy)`` fp32 ``[T]`` of the log-softmax of the logits ``plan.options.logit``
+    forms from ``hidden @ weight.T``.
 
     Ignored rows give exactly 0 in both outputs and gradients. grad_hidden is returned in hidden's
     dtype (summed over the TP group unless ``reduce_grad_hidden`` is False); grad_weight in
@@ -51,13 +52,11 @@ class FusedLogprobEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ignore_index, shard = plan.options.ignore_index, plan.shard
         ignored, kernel_targets = kernel_ids(targets, ignore_index)
+        logit = plan.options.logit
         stats = plan.stages.forward_stats(
-            hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start,
-            plan.options.temperature,
-        )  # fmt: skip
-        merged = merge_stats(
-            stats, shard.owns(kernel_targets), shard.group, plan.options.temperature
+            hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start, logit
         )
+        merged = merge_stats(stats, shard.owns(kernel_targets), shard.group, logit)
         zero = torch.zeros_like(merged.max)
         logprobs = torch.where(ignored, zero, merged.logprob)
         entropy = torch.where(ignored, zero, merged.entropy)
@@ -89,7 +88,7 @@ class FusedLogprobEntropy(torch.autograd.Function):
                 raise double_backward_error("vocab-parallel TP (the softmax sums are collectives)")
             return (
                 *grads_with_graph(
-                    hidden, weight, kernel_targets, shard.vocab_start, plan.options.temperature,
+                    hidden, weight, kernel_targets, shard.vocab_start, plan.options.logit,
                     grad_logprob, grad_entropy, need_hidden, need_weight,
                 ),
                 None,
@@ -108,7 +107,7 @@ class FusedLogprobEntropy(torch.autograd.Function):
         tp_sum = plan.options.reduce_grad_hidden and shard.group is not None
         grad_hidden, grad_weight = plan.stages.backward_grads(
             hidden.to(weight.dtype), weight, kernel_targets, shard.vocab_start,
-            plan.options.temperature, rows, need_hidden, need_weight,
+            plan.options.logit, rows, need_hidden, need_weight,
             None if tp_sum else hidden.dtype,
         )  # fmt: skip
         if grad_hidden is not None:
@@ -146,7 +145,7 @@ class FusedScalarLoss(torch.autograd.Function):
         scale = 1.0 if reduction == "sum" else 1.0 / valid_count.clamp_min(1).to(acc)
         grad_logprob = torch.where(ignored, 0.0, -scale).to(acc)
         logprobs, owners, grad_hidden, grad_weight = loss_pass(
-            plan.stages, hidden.to(weight.dtype), weight, ids, shard, plan.options.temperature,
+            plan.stages, hidden.to(weight.dtype), weight, ids, shard, plan.options.logit,
             grad_logprob, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
         )  # fmt: skip
         raise_on_bad_targets(targets, owners, ignore_index)

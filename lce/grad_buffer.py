@@ -19,6 +19,7 @@ from lce.autograd import Plan, double_backward_error, kernel_ids
 from lce.backends import StageBackend
 from lce.backends.base import accumulation_dtype
 from lce.loss_pass import loss_pass
+from lce.options import LogitOptions
 from lce.tp import VocabShard, reduce_grad_hidden
 from lce.validation import raise_on_bad_targets
 
@@ -69,7 +70,7 @@ class LossIntoGradBuffer(torch.autograd.Function):
         row_scale: torch.Tensor,
         assumed_upstream: float,
     ) -> torch.Tensor:
-        ignore_index, temperature = plan.options.ignore_index, plan.options.temperature
+        ignore_index, logit = plan.options.ignore_index, plan.options.logit
         shard, stages = plan.shard, plan.stages
         _, ids = kernel_ids(targets, ignore_index)
         _raise_before_accumulating(targets, ids, shard, ignore_index)
@@ -77,7 +78,7 @@ class LossIntoGradBuffer(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_logprob = row_scale * -assumed_upstream  # the loss is -logprob
         logprobs, _, grad_hidden, _ = loss_pass(
-            stages, compute_hidden, weight, ids, shard, temperature, grad_logprob, need_hidden,
+            stages, compute_hidden, weight, ids, shard, logit, grad_logprob, need_hidden,
             need_weight, buffer if need_weight else None,
         )  # fmt: skip
         if grad_hidden is not None and plan.options.reduce_grad_hidden:
@@ -85,7 +86,7 @@ class LossIntoGradBuffer(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, compute_hidden, weight, ids, row_scale)
         ctx.buffer = buffer  # not saved: megatron's layers keep main_grad out of version checks
         ctx.flagged_weight = weight  # the object carrying DDP's flags (saved tensors may not)
-        ctx.settings = (hidden.dtype, temperature, shard, stages, assumed_upstream)
+        ctx.settings = (hidden.dtype, logit, shard, stages, assumed_upstream)
         return -logprobs * row_scale
 
     @staticmethod
@@ -96,7 +97,7 @@ class LossIntoGradBuffer(torch.autograd.Function):
                 "forward)"
             )
         grad_hidden, compute_hidden, weight, ids, row_scale = ctx.saved_tensors
-        hidden_dtype, temperature, shard, stages, assumed = ctx.settings
+        hidden_dtype, logit, shard, stages, assumed = ctx.settings
         upstream = torch.where(row_scale != 0, grad_out, torch.zeros_like(grad_out))
         if grad_hidden is not None:
             factor = (upstream / assumed).to(grad_hidden.dtype)
@@ -104,7 +105,7 @@ class LossIntoGradBuffer(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             rows = (
-                compute_hidden, weight, ids, shard, temperature, stages, ctx.buffer, row_scale,
+                compute_hidden, weight, ids, shard, logit, stages, ctx.buffer, row_scale,
             )  # fmt: skip
             _settle(*rows, assumed, upstream)
             grad_weight = megatron_weight_grad(ctx.flagged_weight)
@@ -126,7 +127,7 @@ def _settle(
     weight: torch.Tensor,
     ids: torch.Tensor,
     shard: VocabShard,
-    temperature: float,
+    logit: LogitOptions,
     stages: StageBackend,
     buffer: torch.Tensor,
     row_scale: torch.Tensor,
@@ -149,7 +150,7 @@ def _settle(
         (rows, -upstream[rows] * scale),
     ):
         loss_pass(
-            stages, hidden[rows_used], weight, ids[rows_used], shard, temperature, grad_logprob,
+            stages, hidden[rows_used], weight, ids[rows_used], shard, logit, grad_logprob,
             False, True, buffer,
         )  # fmt: skip
 

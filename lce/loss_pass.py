@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lce.backends.base import ShardStats, StageBackend, accumulation_dtype, select_rows
+from lce.options import LogitOptions
 from lce.tp import GlobalStats, VocabShard, merge_stats
 
 
@@ -31,7 +32,7 @@ def loss_pass(
     weight: torch.Tensor,
     kernel_targets: torch.Tensor,
     shard: VocabShard,
-    temperature: float,
+    logit: LogitOptions,
     grad_logprob: torch.Tensor,
     need_hidden: bool,
     need_weight: bool,
@@ -49,14 +50,14 @@ def loss_pass(
     logprobs, owners = per_token.unbind(0)
 
     def merge(stats: ShardStats, rows: slice) -> GlobalStats:
-        merged = merge_stats(select_rows(stats, rows), owned[rows], shard.group, temperature)
+        merged = merge_stats(select_rows(stats, rows), owned[rows], shard.group, logit)
         logprobs[rows] = merged.logprob
         owners[rows] = merged.owners
         return merged
 
     chunk_rows = _common_chunk_rows(stages, hidden, weight, shard)
     _, grad_hidden, grad_weight = stages.loss_grads_in_forward(
-        hidden, weight, kernel_targets, shard.vocab_start, temperature, merge, grad_logprob,
+        hidden, weight, kernel_targets, shard.vocab_start, logit, merge, grad_logprob,
         need_hidden, need_weight, grad_weight_out, chunk_rows,
     )  # fmt: skip
     return LossPass(logprobs, owners, grad_hidden, grad_weight)

@@ -6,12 +6,15 @@ Backward: grad_hidden is the SUM over ranks (fp32), unless the caller reduce-sca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import zlib
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from lce.backends.base import ShardStats
+from lce.options import LogitOptions
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,12 @@ class CallShape:
     num_tokens: int
     vocab_local: int
     vocab_start_given: bool
+    logit_key: int  # `logit_key` of the call's logit options
+
+
+def logit_key(logit: LogitOptions) -> int:
+    """A 32-bit digest of ``logit``'s fields, equal on ranks that passed equal options."""
+    return zlib.crc32(json.dumps(asdict(logit), sort_keys=True).encode())
 
 
 def agree_on_call(
@@ -64,27 +73,28 @@ def agree_on_call(
     """Raise the same error on every rank of ``group`` unless all ranks can run the call; return
     the group's largest ``vocab_local`` (for choices every rank must make alike).
 
-    One MAX all-reduce of seven ints, before any collective whose size depends on the tokens
+    One MAX all-reduce of nine ints, before any collective whose size depends on the tokens
     (ranks that disagree there end in a collective mismatch or a hang). ``shape`` is None and
     ``local_error`` set where this rank's own arguments were rejected: that rank raises its error,
     the others say which went wrong.
     """
     failed = shape is None or local_error is not None
-    tokens, vocab, given = (0, 0, 0) if shape is None else (
-        shape.num_tokens, shape.vocab_local, int(shape.vocab_start_given)
+    tokens, vocab, given, key = (0, 0, 0, 0) if shape is None else (
+        shape.num_tokens, shape.vocab_local, int(shape.vocab_start_given), shape.logit_key
     )  # fmt: skip
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     packed = torch.tensor(
-        [tokens, -tokens, vocab, -vocab, given, -given, int(failed)],
+        [tokens, -tokens, vocab, -vocab, given, -given, key, -key, int(failed)],
         dtype=torch.int64,
         device=device,
     )
     dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    most_tokens, fewest_tokens, most_vocab, fewest_vocab, any_given, not_all_given, any_failed = (
-        packed.tolist()
-    )
+    (
+        most_tokens, fewest_tokens, most_vocab, fewest_vocab, any_given, not_all_given,
+        top_key, bottom_key, any_failed,
+    ) = packed.tolist()  # fmt: skip
     if local_error is not None:
         raise local_error
     if any_failed:
@@ -97,6 +107,11 @@ def agree_on_call(
             f"the ranks of the TP group passed different token counts ({-fewest_tokens}.."
             f"{most_tokens}); vocab-parallel lce needs the same hidden rows and targets on every "
             "rank of tp_group (only the weight is split by vocabulary)"
+        )
+    if top_key != -bottom_key:
+        raise ValueError(
+            "the ranks of the TP group passed different logit options (temperature and the "
+            "other options of the logit map and loss); pass the same values on every rank"
         )
     if any_given and not_all_given == 0:  # max(-given) = 0: some rank gave none
         raise ValueError(
@@ -121,9 +136,9 @@ class GlobalStats:
     ``1 - p_y = -expm1(log p_y)`` keep their relative precision (no ``1 - p`` cancellation).
     """
 
-    max: torch.Tensor  # the row max over all shards in raw dot units (`ShardStats`); m = max / T
+    max: torch.Tensor  # the row max over all shards in raw units (`ShardStats`); m = k * max
     log_sumexp: torch.Tensor  # log sum_j exp(z_j - m): lse = m + log_sumexp, never rounded whole
-    target_centred: torch.Tensor  # z_y - m = (a_y - max) / T: exactly 0 when y is the max
+    target_centred: torch.Tensor  # z_y - m = k (r_y - max): exactly 0 when y is the max
     centred_mean: torch.Tensor  # E_p[z] - m
     owners: torch.Tensor  # how many shards hold the target id: 1 if valid, 0 if outside [0, V)
 
@@ -153,21 +168,22 @@ def merge_stats(
     stats: ShardStats,
     target_owned: torch.Tensor,
     group: dist.ProcessGroup | None,
-    temperature: float,
+    logit: LogitOptions,
 ) -> GlobalStats:
     """Combine each rank's shard stats: one MAX all-reduce, then one packed SUM all-reduce.
 
     ``target_owned`` is a bool ``[T]``: this rank's shard holds the token's target id. The raw
-    maxima are subtracted before the ``1 / temperature`` scale, as the kernels centre each lane.
+    maxima are subtracted before the scale (``logit.centred_scale``), as the kernels centre each
+    lane.
     """
-    inv_temp = 1.0 / temperature
+    k = logit.centred_scale
     global_max = stats.max.clone()
     if group is not None:
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
     # A rank whose shard is empty (or whose row is all -inf) has max = -inf: it must add exactly 0.
     owned = torch.isfinite(stats.max)
     zero = torch.zeros_like(global_max)
-    shift = torch.where(owned, (stats.max - global_max) * inv_temp, zero)
+    shift = torch.where(owned, (stats.max - global_max) * k, zero)
     scale = torch.where(owned, torch.exp(shift), zero)
     # Re-centre sum exp(z - m_r) (z - m_r) on the global max M: add (m_r - M) * sumexp.
     sumexp_z = scale * (stats.sumexp_z + shift * stats.sumexp)
@@ -185,7 +201,7 @@ def merge_stats(
     return GlobalStats(
         max=global_max,
         log_sumexp=torch.log1p(nonmax),
-        target_centred=(target_logit - global_max) * inv_temp,
+        target_centred=(target_logit - global_max) * k,
         centred_mean=sumexp_z / (1.0 + nonmax),
         owners=owners,
     )

@@ -10,6 +10,8 @@ from typing import Any, Protocol
 
 import torch
 
+from lce.options import LogitOptions
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax math and accumulation in fp32; fp64 inputs keep fp64 (exact-invariance checks)."""
@@ -20,15 +22,16 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 class ShardStats:
     """Per-token softmax statistics of one vocab shard, all fp32 ``[T]``.
 
-    With raw dots ``a = hidden @ weight.T`` and ``z = a / temperature`` restricted to the shard:
-    ``max = max_j a_j`` in raw dot units (``-inf`` for an empty shard; all ranks share the
-    temperature, so the TP MAX merge is the same in either unit) and every lane is centred before
-    the scale, ``z_j - max_z = (a_j - max) / temperature``: the max lane's is exactly 0 and no lane
-    carries a rounding at the logits' magnitude. ``sumexp_nonmax = sum_j exp(z_j - max_z)``
+    With the logits ``z`` of the shard's lanes in raw units ``r`` (``z_j - z_max = k (r_j - r_max)``
+    with ``k`` the `LogitOptions.centred_scale`; ``r`` is the raw dot ``a = hidden @ weight.T``):
+    ``max = max_j r_j`` in raw units (``-inf`` for an empty shard; all ranks share ``k``, so the
+    TP MAX merge is the same in either unit) and every lane is centred before the scale,
+    ``z_j - max_z = k (r_j - max)``: the max lane's is exactly 0 and no lane carries a rounding at
+    the logits' magnitude. ``sumexp_nonmax = sum_j exp(z_j - max_z)``
     over every lane but one max lane (whose term is exactly 1: kept apart, ``log sumexp`` is
     ``log1p(sumexp_nonmax)`` and keeps its precision on confident rows, where ``1 + small``
     would round it to eps(1)), ``sumexp_z = sum_j exp(z_j - max_z) * (z_j - max_z)`` (centred on
-    the shard max, so entropy keeps its precision under huge common offsets), ``target_logit = a_y``
+    the shard max, so entropy keeps its precision under huge common offsets), ``target_logit = r_y``
     if the global target id ``y`` lies in ``[vocab_start, vocab_start + V_local)`` else 0. An
     empty shard gives max = -inf and zeros elsewhere.
     """
@@ -48,7 +51,7 @@ class ShardStats:
 class BackwardRows:
     """Per-token fp32 ``[T]`` inputs of the backward stage, global over all shards.
 
-    ``max`` is in raw dot units as in `ShardStats`; with ``c_j = (a_j - max) / temperature``
+    ``max`` is in raw units as in `ShardStats`; with ``c_j = k (r_j - max)``
     (centred exactly as the forward centred it), ``log p_j = c_j - log_sumexp`` and
     ``z_j - E[z] = c_j - centred_mean``, so nothing is rounded at the logits' magnitude. Off the
     target lane ``d_z = -p * (grad_logprob + grad_entropy * (z - E[z]))``; on it
@@ -84,7 +87,7 @@ class StageBackend(Protocol):
         weight: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
     ) -> ShardStats:
         """Softmax statistics of the local shard.
 
@@ -99,7 +102,7 @@ class StageBackend(Protocol):
         weight: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
         rows: BackwardRows,
         need_hidden: bool,
         need_weight: bool,
@@ -108,9 +111,9 @@ class StageBackend(Protocol):
         """Gradients of ``sum_t g_lp[t] * logprob[t] + g_ent[t] * entropy[t]`` for the local shard.
 
         ``d_z = g_lp * (onehot - p) - g_ent * p * (z - E[z])`` as `BackwardRows` spells it out,
-        ``d_logits = d_z / temperature``. Returns ``grad_hidden [T, H]`` (this shard's partial
-        sum) in fp32, or already in ``grad_hidden_dtype`` when given (rounded once from an fp32
-        accumulation; the caller sums no further), and ``grad_weight [V_local, H]`` in fp32 or
-        already in weight's dtype (rounded likewise), or None where not needed.
+        ``d_logits = d_z * dz/da`` (``logit.dlogit_scale``). Returns ``grad_hidden [T, H]`` (this
+        shard's partial sum) in fp32, or already in ``grad_hidden_dtype`` when given (rounded once
+        from an fp32 accumulation; the caller sums no further), and ``grad_weight [V_local, H]``
+        in fp32 or already in weight's dtype (rounded likewise), or None where not needed.
         """
         ...

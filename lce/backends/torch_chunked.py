@@ -13,6 +13,7 @@ import torch
 
 from lce.backends.base import BackwardRows, ShardStats, accumulation_dtype, select_rows
 from lce.backends.gemm import addmm_, mm_into
+from lce.options import LogitOptions
 from lce.tp import GlobalStats
 
 # Elements of one [chunk, V_local] fp32 block: 16 Mi = 64 MiB, so peak stays a few such blocks.
@@ -44,7 +45,7 @@ class TorchChunkedStages:
         weight: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
     ) -> ShardStats:
         stats = _empty_stats(hidden, weight)
         if weight.shape[0] == 0:
@@ -52,7 +53,7 @@ class TorchChunkedStages:
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         for rows in self._chunks(hidden.shape[0], weight.shape[0]):
             logits = _logits(hidden[rows], weight)
-            _chunk_stats(logits, local[rows], owned[rows], stats, rows, temperature)
+            _chunk_stats(logits, local[rows], owned[rows], stats, rows, logit)
         return stats
 
     def backward_grads(
@@ -61,7 +62,7 @@ class TorchChunkedStages:
         weight: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
         rows: BackwardRows,
         need_hidden: bool,
         need_weight: bool,
@@ -76,9 +77,7 @@ class TorchChunkedStages:
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         for chunk in self._chunks(hidden.shape[0], weight.shape[0]):
             logits = _logits(hidden[chunk], weight)
-            d = _chunk_dlogits(
-                logits, select_rows(rows, chunk), local[chunk], owned[chunk], temperature
-            )
+            d = _chunk_dlogits(logits, select_rows(rows, chunk), local[chunk], owned[chunk], logit)
             _accumulate(d, hidden, weight, chunk, grad_hidden, grad_weight)
         return grad_hidden, grad_weight
 
@@ -88,7 +87,7 @@ class TorchChunkedStages:
         weight: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
         grad_logprob: torch.Tensor,
         grad_entropy: torch.Tensor,
         need_hidden: bool,
@@ -101,7 +100,8 @@ class TorchChunkedStages:
         The logits are materialized whole: a second-order graph keeps them anyway.
         """
         compute_hidden = hidden.to(weight.dtype)
-        logits = (compute_hidden @ weight.T).to(accumulation_dtype(weight.dtype)) / temperature
+        raw = (compute_hidden @ weight.T).to(accumulation_dtype(weight.dtype))
+        logits = raw * logit.dlogit_scale
         log_p = torch.log_softmax(logits, dim=-1)
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         logprobs = torch.where(owned, log_p.gather(1, local[:, None]).squeeze(1), 0.0)
@@ -117,7 +117,7 @@ class TorchChunkedStages:
         weight: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
         merge: GlobalMerge,
         grad_logprob: torch.Tensor,
         need_hidden: bool,
@@ -149,13 +149,13 @@ class TorchChunkedStages:
                 merge(stats, rows)
                 continue
             logits = _logits(hidden[rows], weight)
-            e = _chunk_stats(logits, local[rows], owned[rows], stats, rows, temperature)
+            e = _chunk_stats(logits, local[rows], owned[rows], stats, rows, logit)
             del logits
             merged = merge(stats, rows)
             # p = exp(z - m_local) * exp(m_local - M - log_sumexp): one multiply, not another exp.
-            shift = (stats.max[rows] - merged.max) * (1.0 / temperature)
+            shift = (stats.max[rows] - merged.max) * logit.centred_scale
             to_p = torch.exp(shift - merged.log_sumexp)
-            g_lp = grad_logprob[rows].to(e.dtype) / temperature
+            g_lp = grad_logprob[rows].to(e.dtype) * logit.dlogit_scale
             d = e.mul_((-g_lp * to_p)[:, None])
             _set_target_lane(d, local[rows], owned[rows], g_lp * merged.target_complement)
             _accumulate(d, hidden, weight, rows, grad_hidden, grad_weight)
@@ -193,7 +193,7 @@ def _grad_buffers(
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Raw dots ``hidden @ weight.T``; the 1/T scale comes after centring (see `ShardStats`)."""
+    """Raw dots ``hidden @ weight.T``; the scale comes after centring (see `ShardStats`)."""
     return (hidden @ weight.T).to(accumulation_dtype(weight.dtype))
 
 
@@ -212,7 +212,7 @@ def _chunk_stats(
     owned: torch.Tensor,
     stats: ShardStats,
     rows: slice,
-    temperature: float,
+    logit: LogitOptions,
 ) -> torch.Tensor:
     """Write the chunk's shard stats into ``stats[rows]``; centres and scales ``logits`` in place
     into ``z - shard max`` and returns its ``exp``."""
@@ -220,7 +220,7 @@ def _chunk_stats(
     stats.target_logit[rows] = torch.where(owned, picked, torch.zeros_like(picked))
     row_max, max_lane = logits.max(dim=1, keepdim=True)
     stats.max[rows] = row_max.squeeze(1)
-    z = _centred(logits, row_max, temperature)
+    z = _centred(logits, row_max, logit.centred_scale)
     e = torch.exp(z)
     stats.sumexp_z[rows] = (e.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
     # The max lane's exp(0) = 1 leaves the sum by a second pass, not by subtraction (sumexp - 1
@@ -231,11 +231,12 @@ def _chunk_stats(
     return e
 
 
-def _centred(logits: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``(logits - row_max) / T`` in place: the max lane exactly 0, forward and backward alike."""
+def _centred(logits: torch.Tensor, row_max: torch.Tensor, scale: float) -> torch.Tensor:
+    """``(logits - row_max) * scale`` in place: the max lane exactly 0, forward and backward
+    alike."""
     logits.sub_(row_max)
-    if temperature != 1.0:
-        logits.mul_(1.0 / temperature)
+    if scale != 1.0:
+        logits.mul_(scale)
     return logits
 
 
@@ -244,15 +245,15 @@ def _chunk_dlogits(
     rows: BackwardRows,
     local: torch.Tensor,
     owned: torch.Tensor,
-    temperature: float,
+    logit: LogitOptions,
 ) -> torch.Tensor:
-    """``d_logits = d_z / temperature`` of the chunk (see `BackwardRows`), in ``logits``' buffer."""
-    g_lp = rows.grad_logprob[:, None].to(logits.dtype) / temperature
-    g_ent = rows.grad_entropy[:, None].to(logits.dtype) / temperature
-    centred = _centred(logits, rows.max[:, None], temperature)
+    """``d_logits = d_z * dz/da`` of the chunk (see `BackwardRows`), in ``logits``' buffer."""
+    g_lp = rows.grad_logprob[:, None].to(logits.dtype) * logit.dlogit_scale
+    g_ent = rows.grad_entropy[:, None].to(logits.dtype) * logit.dlogit_scale
+    centred = _centred(logits, rows.max[:, None], logit.centred_scale)
     p = (centred - rows.log_sumexp[:, None]).exp_()
     d = centred.sub_(rows.centred_mean[:, None]).mul_(g_ent).add_(g_lp).mul_(p).neg_()
-    _set_target_lane(d, local, owned, rows.target_grad.to(logits.dtype) / temperature)
+    _set_target_lane(d, local, owned, rows.target_grad.to(logits.dtype) * logit.dlogit_scale)
     return d
 
 

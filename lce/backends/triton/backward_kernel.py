@@ -1,7 +1,7 @@
 """Backward stage, part 1: recompute a ``[T, chunk]`` logits block and write its d_logits.
 
 ``d_z = g_lp * (onehot - p) - g_ent * p * (z - E[z])`` in fp32 as `BackwardRows` spells it out
-(centred on the row max; the target lane's value given per token), ``d_logits = d_z / temp``,
+(centred on the row max; the target lane's value given per token), ``d_logits = d_z * dz/da``,
 stored once in the weight's dtype so the two gradient GEMMs (`stages`) run on tensor cores. The
 buffer is one vocab chunk, never ``[T, V]`` unless V fits the chunk budget.
 """
@@ -16,6 +16,7 @@ from lce.backends.base import BackwardRows
 from lce.backends.triton.config import TritonConfig
 from lce.backends.triton.operands import operand_args
 from lce.backends.triton.tiles import grouped_tile, logits_tile, logits_tile_tma, round_bf16_rne
+from lce.options import LogitOptions
 
 
 # Specialized as in forward_kernel._forward_partials_kernel: H, the operands' strides and alignment,
@@ -44,7 +45,8 @@ def _dlogits_kernel(
     C,
     H,
     chunk_start,
-    inv_temp,
+    centred_scale,
+    dlogit_scale,
     stride_ht,
     stride_hh,
     stride_wv,
@@ -80,7 +82,7 @@ def _dlogits_kernel(
             hidden, weight, rows, offs_v % C, H, stride_ht, stride_hh, stride_wv, stride_wh,
             BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, BF16_INTERPRETED, PRECISION,
         )  # fmt: skip
-    row_max = tl.load(max_ptr + rows)  # raw dot units, as the forward's running max
+    row_max = tl.load(max_ptr + rows)  # raw units, as the forward's running max
     log_sumexp = tl.load(log_sumexp_ptr + rows)
     centred_mean = tl.load(centred_mean_ptr + rows)
     g_lp = tl.load(grad_logprob_ptr + rows * stride_glp)
@@ -90,14 +92,14 @@ def _dlogits_kernel(
     # Centred before the scale exactly as the forward centred the lane (z - max z rounded once,
     # relative to the lane's distance from the max): scaling first and subtracting the rounded
     # max z left ~2^-24 |z| in p that the forward's log-sum-exp did not share (shift-variant).
-    centred = (acc - row_max[:, None]) * inv_temp
+    centred = (acc - row_max[:, None]) * centred_scale
     p = tl.exp(centred - log_sumexp[:, None])
     d_z = -p * (g_lp[:, None] + g_ent[:, None] * (centred - centred_mean[:, None]))
     is_target = offs_v[None, :] == local_target[:, None]
     d_z = tl.where(is_target, target_grad[:, None], d_z)
     # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed.
     active = (g_lp != 0.0) | (g_ent != 0.0)
-    d_logits = tl.where(active[:, None], d_z * inv_temp, 0.0)
+    d_logits = tl.where(active[:, None], d_z * dlogit_scale, 0.0)
     if BF16_INTERPRETED:
         # The interpreter truncates fp32 -> bf16; round to nearest as the GPU does.
         d_logits = round_bf16_rne(d_logits)
@@ -111,7 +113,7 @@ def dlogits_chunk(
     weight_chunk: torch.Tensor,
     targets: torch.Tensor,
     chunk_start: int,
-    temperature: float,
+    logit: LogitOptions,
     rows: BackwardRows,
     out: torch.Tensor,
     config: TritonConfig,
@@ -129,15 +131,15 @@ def dlogits_chunk(
         centred_mean_ptr=rows.centred_mean, grad_logprob_ptr=rows.grad_logprob,
         grad_entropy_ptr=rows.grad_entropy, target_grad_ptr=rows.target_grad, dlogits_ptr=out,
         T=num_tokens, C=chunk, C_DIV16=chunk % 16 == 0,
-        chunk_start=chunk_start, inv_temp=1.0 / temperature,
+        chunk_start=chunk_start, centred_scale=logit.centred_scale, dlogit_scale=logit.dlogit_scale,
         stride_glp=rows.grad_logprob.stride(0), stride_gent=rows.grad_entropy.stride(0),
         stride_dt=out.stride(0),
         **operand_args(hidden, weight_chunk, tiles, config.use_tma),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
         PRECISION=config.fp32_precision, **tiles.launch_options(),
         # No FMA contraction: the epilogue must round as the forward's does (a fused
-        # `(acc - max) * inv_temp - log_sumexp` would keep residuals the forward's sums lack; on a
-        # confident row the entropy term weights them by p ~ 1 against a tiny E[z] - max). The
-        # epilogue's few flops per logit are noise next to the tile's 2H-flop dot.
+        # `(acc - max) * centred_scale - log_sumexp` would keep residuals the forward's sums lack;
+        # on a confident row the entropy term weights them by p ~ 1 against a tiny E[z] - max).
+        # The epilogue's few flops per logit are noise next to the tile's 2H-flop dot.
         enable_fp_fusion=False,
     )  # fmt: skip

@@ -16,6 +16,7 @@ from lce.backends.base import ShardStats
 from lce.backends.triton.config import TritonConfig, interpreting
 from lce.backends.triton.operands import operand_args
 from lce.backends.triton.tiles import grouped_tile, logits_tile, logits_tile_tma
+from lce.options import LogitOptions
 
 INTERPRETER_PROGRAMS = 2
 MERGE_BLOCK = 512  # tokens per program of the merge
@@ -28,7 +29,7 @@ def _online_softmax_step(
     acc,
     target_col,
     num_cols,
-    inv_temp,
+    centred_scale,
     row_max,
     sumexp_nonmax,
     sumexp_z,
@@ -49,9 +50,9 @@ def _online_softmax_step(
     target_acc += tl.sum(tl.where(is_target, acc, 0.0), axis=1)
     if MASKED:
         acc = tl.where(in_v, acc, float("-inf"))
-    # The running max stays in raw dot units and each lane is centred before the 1/T scale: the
-    # max lane's centred value is then exactly 0 even where the compiler contracts
-    # `acc * inv_temp - max` into one FMA (which leaves the product's rounding residual,
+    # The running max stays in raw units and each lane is centred before the scale: the max
+    # lane's centred value is then exactly 0 even where the compiler contracts
+    # `acc * centred_scale - max` into one FMA (which leaves the product's rounding residual,
     # ~2^-24 |z|; weighted by p ~ 1 on a confident row it swamped E[z] - max, measured 6e-4
     # relative in the entropy gradient on an H100).
     tile_max = tl.max(acc, axis=1)
@@ -59,10 +60,10 @@ def _online_softmax_step(
     # Every tile holds >= 1 real column, so new_max is finite for finite logits; the guards
     # keep -inf rows (empty history) from producing inf - inf.
     seen = row_max > float("-inf")
-    shift = tl.where(seen, (row_max - new_max) * inv_temp, 0.0)
+    shift = tl.where(seen, (row_max - new_max) * centred_scale, 0.0)
     scale = tl.where(seen, tl.exp(shift), 0.0)
     # Lanes in log2 units: one multiply and exp2 per lane (tl.exp multiplies by log2(e) again).
-    centred2 = (acc - new_max[:, None]) * (inv_temp * LOG2E)
+    centred2 = (acc - new_max[:, None]) * (centred_scale * LOG2E)
     if MASKED:
         centred2 = tl.where(in_v, centred2, 0.0)
     e = tl.exp2(centred2)
@@ -107,7 +108,7 @@ def _forward_partials_kernel(
     V,
     H,
     vocab_start,
-    inv_temp,
+    centred_scale,
     num_splits,
     tiles_per_split,
     num_programs,
@@ -143,7 +144,7 @@ def _forward_partials_kernel(
         # -1 (ignored) matches no column
         local_target = tl.load(targets_ptr + rows) - vocab_start
 
-        row_max = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)  # of acc = z * T
+        row_max = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)  # raw units
         sumexp_nonmax = tl.zeros((BLOCK_T,), dtype=tl.float32)  # one max lane's 1 left out
         sumexp_z = tl.zeros((BLOCK_T,), dtype=tl.float32)  # sum exp(z - max z) * (z - max z)
         target_acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -168,12 +169,12 @@ def _forward_partials_kernel(
             target_col = (local_target - tile_start).to(tl.int32)
             if tile_start + BLOCK_V <= V:  # every tile but a shard's last: no padded columns
                 row_max, sumexp_nonmax, sumexp_z, target_acc = _online_softmax_step(
-                    acc, target_col, V - tile_start, inv_temp,
+                    acc, target_col, V - tile_start, centred_scale,
                     row_max, sumexp_nonmax, sumexp_z, target_acc, BLOCK_V, False,
                 )  # fmt: skip
             else:
                 row_max, sumexp_nonmax, sumexp_z, target_acc = _online_softmax_step(
-                    acc, target_col, V - tile_start, inv_temp,
+                    acc, target_col, V - tile_start, centred_scale,
                     row_max, sumexp_nonmax, sumexp_z, target_acc, BLOCK_V, True,
                 )  # fmt: skip
 
@@ -189,7 +190,7 @@ def _forward_partials_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])  # a loop count; T and plane align the loads
 def _merge_partials_kernel(
-    partials_ptr, out_ptr, T, num_splits, plane, inv_temp, BLOCK: tl.constexpr
+    partials_ptr, out_ptr, T, num_splits, plane, centred_scale, BLOCK: tl.constexpr
 ):
     """Per token: the (raw) max over splits, then each split's sums rescaled onto it and added (the
     non-max terms as in `lce.tp.merge_stats`: one split at the max keeps its 1 out)."""
@@ -210,7 +211,7 @@ def _merge_partials_kernel(
         # A split with no finite logit (max -inf) adds exactly 0.
         seen = split_max > float("-inf")
         # Raw maxima subtracted before the scale, as each lane was centred; no inf - inf.
-        shift = tl.where(seen, (split_max - tl.where(seen, row_max, 0.0)) * inv_temp, 0.0)
+        shift = tl.where(seen, (split_max - tl.where(seen, row_max, 0.0)) * centred_scale, 0.0)
         scale = tl.where(seen, tl.exp(shift), 0.0)
         holds_max = seen & (split_max == row_max)
         split_nonmax = tl.load(at + plane, mask=in_t, other=0.0)
@@ -226,7 +227,7 @@ def _merge_partials_kernel(
     tl.store(out_ptr + 3 * T + offs_t, target_logit, mask=in_t)
 
 
-def merge_partials(partials: torch.Tensor, temperature: float) -> ShardStats:
+def merge_partials(partials: torch.Tensor, logit: LogitOptions) -> ShardStats:
     """Fold ``[4, splits, T]`` per-split partials (`ShardStats` order) into one `ShardStats`.
 
     One pass over the partials (torch ops took ~0.3 ms at llama3-8k on an H100, 2.5% of a GEMM).
@@ -241,7 +242,7 @@ def merge_partials(partials: torch.Tensor, temperature: float) -> ShardStats:
         num_tokens,
         num_splits,
         num_splits * num_tokens,
-        1.0 / temperature,
+        logit.centred_scale,
         BLOCK=MERGE_BLOCK,
         num_warps=4,
     )
@@ -253,7 +254,7 @@ def forward_partials(
     weight: torch.Tensor,
     targets: torch.Tensor,
     vocab_start: int,
-    temperature: float,
+    logit: LogitOptions,
     config: TritonConfig,
 ) -> torch.Tensor:
     """fp32 ``[4, splits, T]`` partial statistics (`ShardStats` order); needs T, V >= 1."""
@@ -273,7 +274,7 @@ def forward_partials(
     _forward_partials_kernel[(programs,)](
         targets_ptr=targets, partials_ptr=partials,
         T=num_tokens, V=vocab_local, V_DIV16=vocab_local % 16 == 0, vocab_start=vocab_start,
-        inv_temp=1.0 / temperature, num_splits=num_splits, tiles_per_split=tiles_per_split,
+        centred_scale=logit.centred_scale, num_splits=num_splits, tiles_per_split=tiles_per_split,
         num_programs=programs, plane=num_splits * num_tokens, **operands,
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
         PRECISION=config.fp32_precision, **tiles.launch_options(),

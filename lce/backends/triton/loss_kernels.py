@@ -1,5 +1,6 @@
 """Row kernels of the 3-GEMM loss: over a materialized ``[rows, V_local]`` logits chunk in weight's
-dtype (raw dots, no temperature), the shard statistics, then d_logits written over it in place.
+dtype (raw dots, before the logit map), the shard statistics, then d_logits written over it in
+place.
 
 The GEMMs around them are cuBLAS's (`lce.backends.gemm`); these kernels are memory-bound
 sweeps, one program per token row walking the vocabulary in ascending tiles.
@@ -13,18 +14,21 @@ import triton.language as tl
 
 from lce.backends.triton.config import interpreting
 from lce.backends.triton.tiles import round_bf16_rne
+from lce.options import LogitOptions
 
 BLOCK_V = 2048  # 8 warps: 8 elements per thread per step
 BLOCK_V_INTERPRETED = 256
 
 
 @triton.jit
-def _lane_stats_step(acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, in_v, MASKED: tl.constexpr):
+def _lane_stats_step(
+    acc, lane_max, lane_nonmax, lane_sum_z, centred_scale, in_v, MASKED: tl.constexpr
+):
     """Fold one element per lane into the lane statistics (see `_row_stats_kernel`).
 
-    One exp per element: exp(-|a - lane max| / T) is the element's own term when it is not a new
-    maximum, and the rescale of the lane's old terms when it is (the old max then joins the
-    non-max sum). Unless ``MASKED``, every lane has seen an element (finite max); ``MASKED``
+    One exp per element: exp(-|a - lane max| * centred_scale) is the element's own term when it is
+    not a new maximum, and the rescale of the lane's old terms when it is (the old max then joins
+    the non-max sum). Unless ``MASKED``, every lane has seen an element (finite max); ``MASKED``
     also guards unseen lanes and those ``in_v`` leaves out (loaded as -inf).
     """
     is_new = acc > lane_max  # never a masked (-inf) element
@@ -33,9 +37,9 @@ def _lane_stats_step(acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, in_v, MAS
         base = tl.where(ok, lane_max, 0.0)
     else:
         base = lane_max
-    # Centred before the 1/T scale (the max lane's centred value exactly 0): a - max when a is
+    # Centred before the scale (the max lane's centred value exactly 0): a - max when a is
     # no new max, max_old - a when it is, both <= 0 and each the value the forward kernel rounds.
-    d = -tl.abs(acc - base) * inv_temp
+    d = -tl.abs(acc - base) * centred_scale
     if MASKED:
         d = tl.where(ok, d, 0.0)
     t = tl.exp(d)
@@ -60,14 +64,14 @@ def _row_stats_kernel(
     plane,
     V,
     vocab_start,
-    inv_temp,
+    centred_scale,
     stride_lt,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
     row_ptr = logits_ptr + row * stride_lt
-    # Per lane: a running max in raw dot units (centred before the 1/T scale, as the forward
+    # Per lane: a running max in raw units (centred before the scale, as the forward
     # kernel does, so the max lane's centred value is exactly 0), the sum of exp(z - max) over
     # the lane's elements but its max (whose term is exactly 1: kept apart, as `ShardStats`
     # asks) and the centred sum of z. Lanes merge once at the end: no cross-thread reduction in
@@ -82,14 +86,14 @@ def _row_stats_kernel(
     for i in range(1, full_tiles):
         acc = tl.load(row_ptr + i * BLOCK_V + cols).to(tl.float32)
         lane_max, lane_nonmax, lane_sum_z = _lane_stats_step(
-            acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, None, False
+            acc, lane_max, lane_nonmax, lane_sum_z, centred_scale, None, False
         )
     if full_tiles * BLOCK_V < V:
         offs = full_tiles * BLOCK_V + cols
         in_v = offs < V
         acc = tl.load(row_ptr + offs, mask=in_v, other=float("-inf")).to(tl.float32)
         lane_max, lane_nonmax, lane_sum_z = _lane_stats_step(
-            acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, in_v, True
+            acc, lane_max, lane_nonmax, lane_sum_z, centred_scale, in_v, True
         )
     # The target's logit: one load where this shard holds it (-1, ignored, is held by none).
     local_target = tl.load(targets_ptr + row) - vocab_start
@@ -97,13 +101,13 @@ def _row_stats_kernel(
     target = tl.load(row_ptr + tl.where(owned, local_target, 0), mask=owned, other=0.0)
     row_max = tl.max(lane_max, axis=0)
     seen = lane_max > float("-inf")
-    shift = tl.where(seen, (lane_max - row_max) * inv_temp, 0.0)
+    shift = tl.where(seen, (lane_max - row_max) * centred_scale, 0.0)
     scale = tl.where(seen, tl.exp(shift), 0.0)
     # One lane holding the row max keeps its max's 1 out; every other lane's max term joins.
     first_max = tl.min(tl.where(lane_max == row_max, cols, BLOCK_V), axis=0)
     own_max = tl.where(seen & (cols != first_max), scale, 0.0)
     out = stats_ptr + row
-    tl.store(out, row_max)  # raw dot units (`ShardStats`)
+    tl.store(out, row_max)  # raw units (`ShardStats`)
     tl.store(out + plane, tl.sum(scale * lane_nonmax + own_max, axis=0))
     total = tl.where(seen, 1.0 + lane_nonmax, 0.0)
     tl.store(out + 2 * plane, tl.sum(scale * (lane_sum_z + shift * total), axis=0))
@@ -114,12 +118,13 @@ def row_stats_into(
     logits: torch.Tensor,
     targets: torch.Tensor,
     vocab_start: int,
-    temperature: float,
+    logit: LogitOptions,
     out: torch.Tensor,
     block_v: int | None = None,
     num_warps: int = 8,
 ) -> None:
-    """`ShardStats` of ``logits / temperature`` (``[rows, V_local]``, unit column stride)
+    """`ShardStats` of the logits ``logit`` forms from the raw dots ``logits``
+    (``[rows, V_local]``, unit column stride)
     against int64 global ``targets`` (-1: ignored, owned by no shard), written into fp32
     ``out[4, rows]`` (the `ShardStats` fields in order, unit row stride).
 
@@ -127,7 +132,7 @@ def row_stats_into(
     """
     num_rows, vocab = logits.shape
     _row_stats_kernel[(num_rows,)](
-        logits, targets, out, out.stride(0), vocab, vocab_start, 1.0 / temperature,
+        logits, targets, out, out.stride(0), vocab, vocab_start, logit.centred_scale,
         logits.stride(0), BLOCK_V=block_v or _block_v(), num_warps=num_warps,
     )  # fmt: skip
 
@@ -148,7 +153,7 @@ def _row_dlogits_kernel(
     target_grad_ptr,
     V,
     vocab_start,
-    inv_temp,
+    centred_scale,
     stride_lt,
     stride_ot,
     BLOCK_V: tl.constexpr,
@@ -166,7 +171,7 @@ def _row_dlogits_kernel(
         in_v = offs < V
         acc = tl.load(logits_ptr + row * stride_lt + offs, mask=in_v, other=0.0)
         # Centred before the scale, as the statistics were (`ShardStats`): no rounding at |z|.
-        centred = (acc.to(tl.float32) - row_max) * inv_temp
+        centred = (acc.to(tl.float32) - row_max) * centred_scale
         d = coef * tl.exp(centred - log_sumexp)
         d = tl.where(offs == local_target, target_grad, d)
         if BF16_INTERPRETED:
@@ -179,23 +184,24 @@ def row_dlogits(
     out: torch.Tensor,
     targets: torch.Tensor,
     vocab_start: int,
-    temperature: float,
+    logit: LogitOptions,
     global_max: torch.Tensor,
     log_sumexp: torch.Tensor,
     coef: torch.Tensor,
     target_grad: torch.Tensor,
 ) -> None:
-    """``out = coef * softmax(logits / temperature)`` off the target lane, ``target_grad`` on it.
+    """``out = coef * softmax(z)`` off the target lane, ``target_grad`` on it, ``z`` the logits
+    ``logit`` forms from the raw dots ``logits``.
 
     Per row (fp32 ``[rows]``, contiguous): ``global_max`` and ``log_sumexp`` as in
-    `lce.tp.GlobalStats`; ``coef`` and ``target_grad`` already divided by the temperature.
+    `lce.tp.GlobalStats`; ``coef`` and ``target_grad`` already times ``logit.dlogit_scale``.
     ``out`` (``[rows, V_local]``, unit column stride) may be ``logits`` itself: each element is
     read, then written, by the same thread.
     """
     num_rows, vocab = logits.shape
     _row_dlogits_kernel[(num_rows,)](
         logits, out, targets, global_max, log_sumexp, coef, target_grad, vocab, vocab_start,
-        1.0 / temperature, logits.stride(0), out.stride(0), BLOCK_V=_block_v(),
+        logit.centred_scale, logits.stride(0), out.stride(0), BLOCK_V=_block_v(),
         BF16_INTERPRETED=interpreting() and out.dtype == torch.bfloat16,
         num_warps=8,
         # No FMA: each lane centred and rounded as the row statistics rounded it (see the backward

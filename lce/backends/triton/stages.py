@@ -20,6 +20,7 @@ from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.config import TritonConfig, default_config
 from lce.backends.triton.forward_kernel import forward_partials, merge_partials
 from lce.backends.triton.loss_kernels import row_dlogits, row_stats_into
+from lce.options import LogitOptions
 
 # Token rows of a logits chunk are rounded to this (the GEMMs' tile multiple) when they fit.
 LOSS_ROW_ALIGN = 256
@@ -67,7 +68,7 @@ class TritonStages:
         weight: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
     ) -> ShardStats:
         """See `lce.backends.base.StageBackend.forward_stats` (sumexp_z centred on ``max``)."""
         _check_operands(hidden, weight, targets)
@@ -82,9 +83,9 @@ class TritonStages:
         blocks = [
             merge_partials(
                 forward_partials(
-                    hidden[rows], weight, targets[rows], vocab_start, temperature, self._config()
+                    hidden[rows], weight, targets[rows], vocab_start, logit, self._config()
                 ),
-                temperature,
+                logit,
             )
             for rows in self._token_blocks(num_tokens)
         ]
@@ -100,7 +101,7 @@ class TritonStages:
         weight: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
         rows: BackwardRows,
         need_hidden: bool,
         need_weight: bool,
@@ -144,7 +145,7 @@ class TritonStages:
                 d_logits = buffer[: block.stop - block.start]
                 dlogits_chunk(
                     block_hidden, weight[chunk], targets[block], vocab_start + chunk.start,
-                    temperature, select_rows(rows, block), d_logits, config,
+                    logit, select_rows(rows, block), d_logits, config,
                 )  # fmt: skip
                 if grad_weight is not None and block.start == 0:
                     mm_into(d_logits.T, block_hidden, out=grad_weight[chunk])
@@ -160,7 +161,7 @@ class TritonStages:
         weight: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
         merge: GlobalMerge,
         grad_logprob: torch.Tensor,
         need_hidden: bool,
@@ -200,11 +201,11 @@ class TritonStages:
                 continue
             logits = buffer[: rows.stop - start]
             mm_into(hidden[rows], weight.T, out=logits)  # then d_logits, in place
-            row_stats_into(logits, targets[rows], vocab_start, temperature, stats[:, rows])
+            row_stats_into(logits, targets[rows], vocab_start, logit, stats[:, rows])
             merged = merge(shard_stats, rows)
-            g_lp = grad_logprob[rows].float() / temperature
+            g_lp = grad_logprob[rows].float() * logit.dlogit_scale
             row_dlogits(
-                logits, logits, targets[rows], vocab_start, temperature,
+                logits, logits, targets[rows], vocab_start, logit,
                 merged.max.contiguous(), merged.log_sumexp.contiguous(), (-g_lp).contiguous(),
                 (g_lp * merged.target_complement).contiguous(),
             )  # fmt: skip

@@ -1,8 +1,8 @@
 """The options that travel together through the public API, autograd functions and backends.
 
-`LogitOptions` is the logit map (and, later, the loss terms): a plain, picklable, JSON-friendly
-record of Python numbers that every stage and the TP merge take as one argument. `LCEOptions` is
-one call's whole set of options, the logit map among them.
+`LogitOptions` is the logit map and the loss terms: a plain, picklable, JSON-friendly record of
+Python numbers that every stage and the TP merge take as one argument. `LCEOptions` is one call's
+whole set of options, the logit record among them.
 """
 
 from __future__ import annotations
@@ -19,28 +19,66 @@ REDUCTIONS = ("none", "sum", "mean")
 
 @dataclass(frozen=True, kw_only=True)
 class LogitOptions:
-    """How logits are formed from the raw dots ``a = hidden @ weight.T``: ``z = a / temperature``.
+    """The logit map and the loss terms of one call.
+
+    Logits ``z = cap * tanh(s * (hidden @ weight.T + bias) / cap) / T`` with ``s`` the
+    ``logit_scale``, ``cap`` the ``softcap`` (without one: ``z = s * (hidden @ weight.T + bias) /
+    T``) and ``T`` the ``temperature``. Per-token loss ``(1 - eps) * (lse - z_y) +
+    eps * mean_j(lse - z_j) + c * lse**2`` with ``eps`` the ``label_smoothing`` (the mean over the
+    whole vocabulary, PyTorch's definition) and ``c`` the ``z_loss`` coefficient (the term is
+    added only when ``c > 0``).
 
     Checked on construction (each bad value raises naming the argument and the fix); every field
-    is a plain Python number, so the record pickles, compares and goes to JSON as
-    ``dataclasses.asdict``. The stages never read the fields' formula themselves: they centre
-    each lane in raw units ``r`` and scale by `centred_scale`, ``z_j - z_max = k (r_j - r_max)``.
+    is a plain Python number or None, so the record pickles, compares and goes to JSON as
+    ``dataclasses.asdict``. The stages never read the formula themselves: each lane has a raw
+    unit ``r`` (``a + b``; with a cap ``tanh(s (a + b) / cap)``, the map being monotone) and its
+    logit centred on the row max is ``k (r_j - r_max)``, ``k`` the `centred_scale`.
     """
 
     temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    z_loss: float = 0.0
+    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "temperature", _positive_real("temperature", self.temperature))
+        for name in ("temperature", "logit_scale"):
+            object.__setattr__(self, name, _positive_real(name, getattr(self, name)))
+        if self.softcap is not None:
+            cap = _real("softcap", self.softcap, "30.0 (or None for no cap)")
+            if not (math.isfinite(cap) and cap > 0):
+                raise ValueError(f"softcap must be a finite number > 0 or None (no cap), got {cap}")
+            object.__setattr__(self, "softcap", cap)
+        z_loss = _real("z_loss", self.z_loss, "1e-4 (the coefficient of lse**2)")
+        if not (math.isfinite(z_loss) and z_loss >= 0):
+            raise ValueError(f"z_loss must be a finite coefficient >= 0, got {z_loss}")
+        eps = _real("label_smoothing", self.label_smoothing, "0.1")
+        if not 0.0 <= eps <= 1.0:  # NaN fails too
+            raise ValueError(f"label_smoothing must be in [0, 1], got {eps}")
+        object.__setattr__(self, "z_loss", z_loss)
+        object.__setattr__(self, "label_smoothing", eps)
 
     @property
     def centred_scale(self) -> float:
         """``k``: a lane's centred logit is ``k * (r_j - r_max)`` in raw units ``r``."""
-        return 1.0 / self.temperature
+        if self.softcap is not None:
+            return self.softcap / self.temperature
+        return self.logit_scale / self.temperature
+
+    @property
+    def cap_scale(self) -> float:
+        """``s / cap``: what multiplies ``a + b`` inside the tanh (only with a softcap)."""
+        return self.logit_scale / (self.softcap or 1.0)
 
     @property
     def dlogit_scale(self) -> float:
-        """``dz/da``: the gradient on a raw dot is this times the gradient on its logit."""
-        return 1.0 / self.temperature
+        """``s / T``: ``dz/da`` is this times the cap's slope ``1 - tanh^2`` (1 without a cap)."""
+        return self.logit_scale / self.temperature
+
+    @property
+    def loss_terms(self) -> bool:
+        """Whether the loss has a term besides the cross-entropy (z-loss, label smoothing)."""
+        return self.z_loss > 0 or self.label_smoothing > 0
 
 
 @dataclass(frozen=True, kw_only=True)

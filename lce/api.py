@@ -73,7 +73,7 @@ def token_logprobs(
         ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
         reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
     )  # fmt: skip
-    logprobs, entropy, _, _ = _token_stats(hidden, weight, bias, targets, plan)
+    logprobs, entropy, _, _ = _token_outputs(hidden, weight, bias, targets, plan)
     return TokenOutputs(logprobs, entropy)
 
 
@@ -158,7 +158,7 @@ def _reduced_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The default (4-GEMM) path: `token_loss` of the differentiable token statistics, and its
     z term, reduced."""
-    logprob, _, lse, smooth = _token_stats(hidden, weight, bias, targets, plan)
+    logprob, _, lse, smooth = _token_outputs(hidden, weight, bias, targets, plan)
     loss, z_term = token_loss(logprob, lse, smooth, plan.options.logit)
     if z_term is None:
         z_term = torch.zeros_like(loss)
@@ -171,7 +171,7 @@ def _reduced_loss(
     return totals[0] / count, totals[1] / count
 
 
-def _token_stats(
+def _token_outputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,

@@ -75,11 +75,6 @@ class LogitOptions:
         """``s / T``: ``dz/da`` is this times the cap's slope ``1 - tanh^2`` (1 without a cap)."""
         return self.logit_scale / self.temperature
 
-    @property
-    def loss_terms(self) -> bool:
-        """Whether the loss has a term besides the cross-entropy (z-loss, label smoothing)."""
-        return self.z_loss > 0 or self.label_smoothing > 0
-
 
 @dataclass(frozen=True, kw_only=True)
 class LCEOptions:

@@ -18,7 +18,7 @@ import lce
 import lce.api
 import lce.autograd
 import lce.backends.torch_chunked as torch_chunked
-from lce.backends.base import ShardStats, select_rows
+from lce.backends.base import Grads, ShardStats, select_rows
 
 PAD_LANES = 16  # padded-lanes mutant: shards padded to a multiple of this many vocab lanes
 WRAP_LIMIT = 1 << 9  # int32-wrap mutant: offsets row * V_local wrap at 2^9 instead of 2^31
@@ -52,25 +52,25 @@ class MutantStages:
             return getattr(self.inner, name)
         raise AttributeError(name)
 
-    def forward_stats(self, hidden, weight, targets, vocab_start, temperature) -> ShardStats:
-        stats = self.inner.forward_stats(hidden, weight, targets, vocab_start, temperature)
-        return self.bend_stats(stats, weight.shape[0], temperature)
+    def forward_stats(self, hidden, weight, bias, targets, vocab_start, logit) -> ShardStats:
+        stats = self.inner.forward_stats(hidden, weight, bias, targets, vocab_start, logit)
+        return self.bend_stats(stats, weight.shape[0], logit)
 
-    def bend_stats(self, stats: ShardStats, vocab_local: int, temperature: float) -> ShardStats:
+    def bend_stats(self, stats: ShardStats, vocab_local: int, logit) -> ShardStats:
         return stats
 
-    def backward_grads(self, hidden, weight, targets, vocab_start, temperature, *rest):
-        return self.inner.backward_grads(hidden, weight, targets, vocab_start, temperature, *rest)
+    def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, *rest):
+        return self.inner.backward_grads(hidden, weight, bias, targets, vocab_start, logit, *rest)
 
     def loss_grads_in_forward(self, *args):
         # The planted bugs bend the two 4-GEMM stages; the 3-GEMM loss paths run unbent.
         return self.inner.loss_grads_in_forward(*args)
 
 
-def _recentre(stats: ShardStats, new_max: torch.Tensor, temperature: float) -> ShardStats:
-    """``stats`` re-centred on ``new_max`` (raw dot units, as `ShardStats.max`) in their own dtype
-    (so lanes underflow exactly as a kernel computing ``exp((a - new_max) / T)`` would)."""
-    shift = (stats.max - new_max) / temperature
+def _recentre(stats: ShardStats, new_max: torch.Tensor, logit) -> ShardStats:
+    """``stats`` re-centred on ``new_max`` (raw units, as `ShardStats.max`) in their own dtype
+    (so lanes underflow exactly as a kernel computing ``exp(k (r - new_max))`` would)."""
+    shift = (stats.max - new_max) * logit.centred_scale
     scale = torch.exp(shift)
     return replace(
         stats,
@@ -82,18 +82,18 @@ def _recentre(stats: ShardStats, new_max: torch.Tensor, temperature: float) -> S
 
 
 class MaxStartsAtZero(MutantStages):
-    def bend_stats(self, stats, vocab_local, temperature):
-        return _recentre(stats, stats.max.clamp_min(0.0), temperature)
+    def bend_stats(self, stats, vocab_local, logit):
+        return _recentre(stats, stats.max.clamp_min(0.0), logit)
 
 
 class PaddedLanesZero(MutantStages):
-    def bend_stats(self, stats, vocab_local, temperature):
+    def bend_stats(self, stats, vocab_local, logit):
         pad = -vocab_local % PAD_LANES
         if pad == 0:
             return stats
         # pad lanes hold logit 0, not -inf
-        stats = _recentre(stats, stats.max.clamp_min(0.0), temperature)
-        centred = -stats.max / temperature  # a pad lane's z - max z
+        stats = _recentre(stats, stats.max.clamp_min(0.0), logit)
+        centred = -stats.max * logit.centred_scale  # a pad lane's z - max z
         lanes = pad * torch.exp(centred)
         return replace(
             stats,
@@ -103,9 +103,9 @@ class PaddedLanesZero(MutantStages):
 
 
 class EntropyWithoutTemperature(MutantStages):
-    def bend_stats(self, stats, vocab_local, temperature):
+    def bend_stats(self, stats, vocab_local, logit):
         # sum exp(z - m) (z - m) taken over raw logits: every centred logit is T times too big.
-        return replace(stats, sumexp_z=stats.sumexp_z * temperature)
+        return replace(stats, sumexp_z=stats.sumexp_z * logit.temperature)
 
 
 def _rows(fn):
@@ -113,13 +113,13 @@ def _rows(fn):
     to bend the upstream gradients before the real backward."""
 
     class Bent(MutantStages):
-        def backward_grads(self, hidden, weight, targets, vocab_start, temperature, rows, *need):
+        def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, rows, *need):
             g_lp, g_ent = fn(
-                rows.grad_logprob, rows.grad_entropy, targets, vocab_start, weight.shape[0]
+                rows.softmax_coef, rows.grad_entropy, targets, vocab_start, weight.shape[0]
             )
-            bent = replace(rows, grad_logprob=g_lp, grad_entropy=g_ent)
+            bent = replace(rows, softmax_coef=g_lp, grad_entropy=g_ent)
             return self.inner.backward_grads(
-                hidden, weight, targets, vocab_start, temperature, bent, *need
+                hidden, weight, bias, targets, vocab_start, logit, bent, *need
             )
 
     return Bent
@@ -153,27 +153,31 @@ class Int32Wrap(MutantStages):
 class Bf16GradWeight(MutantStages):
     """grad_weight accumulated chunk by chunk in a bf16 buffer."""
 
-    def backward_grads(self, hidden, weight, targets, vocab_start, temperature, rows, *need):
-        need_h, need_w, *grad_hidden_dtype = need
+    def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, rows, wanted, *dt):
         device = hidden.device
         grad_hidden = (
-            torch.zeros(hidden.shape, dtype=torch.float32, device=device) if need_h else None
+            torch.zeros(hidden.shape, dtype=torch.float32, device=device) if wanted.hidden else None
         )
         grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.bfloat16, device=device) if need_w else None
+            torch.zeros(weight.shape, dtype=torch.bfloat16, device=device)
+            if wanted.weight
+            else None
         )
+        grad_bias = torch.zeros(weight.shape[0], device=device) if wanted.bias else None
         for start in range(0, hidden.shape[0], BUGGY_CHUNK):
             r = slice(start, start + BUGGY_CHUNK)
-            gh, gw = self.inner.backward_grads(
-                hidden[r], weight, targets[r], vocab_start, temperature,
-                select_rows(rows, r), need_h, need_w, *grad_hidden_dtype,
+            gh, gw, gb = self.inner.backward_grads(
+                hidden[r], weight, bias, targets[r], vocab_start, logit,
+                select_rows(rows, r), wanted, *dt,
             )  # fmt: skip
             if gh is not None:
                 grad_hidden = grad_hidden.to(gh.dtype)
                 grad_hidden[r] = gh
             if gw is not None:
                 grad_weight += gw.to(torch.bfloat16)
-        return grad_hidden, None if grad_weight is None else grad_weight.float()
+            if gb is not None:
+                grad_bias += gb.float()
+        return Grads(grad_hidden, None if grad_weight is None else grad_weight.float(), grad_bias)
 
 
 def _wrap_stages(cls) -> Callable[[], contextlib.AbstractContextManager]:
@@ -194,16 +198,16 @@ def _mean_over_all_rows(hidden, weight, targets, *, reduction="mean", **kwargs):
     return loss / targets.numel() if reduction == "mean" else loss
 
 
-def _ignored_not_zeroed(hidden, weight, targets, plan):
+def _ignored_not_zeroed(hidden, weight, bias, targets, plan):
     clamped = torch.where(targets == plan.options.ignore_index, 0, targets)  # read as id 0
-    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, clamped, plan)
+    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, bias, clamped, plan)
 
 
-def _cast_in_place(hidden, weight, targets, plan):
+def _cast_in_place(hidden, weight, bias, targets, plan):
     if hidden.dtype != weight.dtype:
         with torch.no_grad():
             hidden.copy_(hidden.to(weight.dtype))  # the matmul cast, done on the caller's tensor
-    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, targets, plan)
+    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, bias, targets, plan)
 
 
 _ORIGINAL_LCE = lce.api.linear_cross_entropy

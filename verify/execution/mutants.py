@@ -18,6 +18,7 @@ import lce
 import lce.api
 import lce.autograd
 import lce.backends.torch_chunked as torch_chunked
+import lce.grad_buffer
 from lce.backends.base import ShardStats, select_rows
 
 PAD_LANES = 16  # padded-lanes mutant: shards padded to a multiple of this many vocab lanes
@@ -206,6 +207,55 @@ def _cast_in_place(hidden, weight, targets, plan):
     return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, targets, plan)
 
 
+def _scaled_in_input_dtype(grad, factor, dtype):
+    # TE #3193: the gradient stored in the input dtype, then scaled by the upstream in that dtype:
+    # two roundings where the fp32 product rounds once.
+    low = grad.to(dtype)
+    return low * factor.to(dtype)
+
+
+def _scaled_in_place(grad, factor, dtype):
+    # Liger's element_mul, quack #209: the saved gradient scaled where it lies (untracked, as a
+    # kernel writing its input is), so a second backward scales it again.
+    grad.data.mul_(factor)
+    return grad.to(dtype, copy=True)
+
+
+class PartialsRounded(MutantStages):
+    """Megatron #2739 family: each rank's fp32 partial grad_hidden rounded to the GEMMs' dtype
+    (bf16 in a bf16 model) before the TP sum (4-GEMM backward; `_loss_pass_partials_rounded`
+    bends the 3-GEMM loss pass alike)."""
+
+    def backward_grads(self, hidden, weight, targets, vocab_start, temperature, rows, *need):
+        grad_hidden, grad_weight = super().backward_grads(
+            hidden, weight, targets, vocab_start, temperature, rows, *need
+        )
+        summed_later = len(need) < 3 or need[2] is None  # fp32 partial for the TP sum
+        if grad_hidden is not None and summed_later and grad_hidden.dtype != weight.dtype:
+            grad_hidden = grad_hidden.to(weight.dtype).to(grad_hidden.dtype)
+        return grad_hidden, grad_weight
+
+
+def _loss_pass_partials_rounded(loss_pass):
+    def rounded(stages, hidden, weight, targets, shard, *rest, **options):
+        out = loss_pass(stages, hidden, weight, targets, shard, *rest, **options)
+        if out.grad_hidden is not None and shard.group is not None:
+            out.grad_hidden.copy_(out.grad_hidden.to(weight.dtype))
+        return out
+
+    return rounded
+
+
+@contextlib.contextmanager
+def _round_tp_partials() -> Iterator[None]:
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(_wrap_stages(PartialsRounded)())
+        for module in (lce.autograd, lce.grad_buffer):
+            rounded = _loss_pass_partials_rounded(module.loss_pass)
+            patches.enter_context(mock.patch.object(module, "loss_pass", rounded))
+        yield
+
+
 _ORIGINAL_LCE = lce.api.linear_cross_entropy
 _ORIGINAL_TOKEN_OUTPUTS = lce.api._token_outputs
 
@@ -246,6 +296,14 @@ MUTANTS: dict[str, Mutant] = {
                _wrap_stages(Int32Wrap)),
         Mutant("hidden_cast_not_undone", "hidden's cast to weight's dtype done in place",
                lambda: mock.patch.object(lce.api, "_token_outputs", _cast_in_place)),
+        Mutant("grad_rounded_twice",
+               "fast loss: saved gradient rounded to the input dtype, then scaled there",
+               lambda: mock.patch.object(lce.autograd, "scaled_copy", _scaled_in_input_dtype)),
+        Mutant("tp_partials_rounded", "partial grad_hidden rounded to bf16 (the GEMMs' dtype) "
+               "before the TP sum", _round_tp_partials, min_tp=2),
+        Mutant("saved_grads_scaled_in_place",
+               "fast loss: backward scales its saved gradients in place (twice on a 2nd backward)",
+               lambda: mock.patch.object(lce.autograd, "scaled_copy", _scaled_in_place)),
     )
 }  # fmt: skip
 

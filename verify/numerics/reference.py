@@ -36,6 +36,7 @@ class Reference:
     # (|d_logits| @ |W|, |d_logits|^T @ |h|) when asked for: the sums of the absolute terms of
     # each gradient element, which bound the rounding of any order of summing them.
     magnitudes: tuple[torch.Tensor, torch.Tensor] | None = None
+    d_logits: torch.Tensor | None = None  # [T, V], with the magnitudes: each rank's share of them
 
     def loss(self, reduction: str) -> torch.Tensor:
         """``-logprobs`` reduced like `lce.linear_cross_entropy` (mean over valid tokens)."""
@@ -95,7 +96,7 @@ def reference(
         if magnitudes:
             size = d_logits.abs()
             sums = (ordered_matmul(size, w.abs()), ordered_matmul(size.T, h.abs()))
-            return Reference(logprobs, entropy, valid, grad_hidden, grad_weight, sums)
+            return Reference(logprobs, entropy, valid, grad_hidden, grad_weight, sums, d_logits)
     return Reference(logprobs, entropy, valid, grad_hidden, grad_weight)
 
 

@@ -106,26 +106,37 @@ class Oracle:
         self, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`Reference.magnitudes` (grad_hidden, grad_weight) under these upstream gradients."""
+        return self.terms_under(grad_logprob, grad_entropy).magnitudes
+
+    def terms_under(
+        self, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> Reference:
+        """R under these upstream gradients, with its magnitudes and d_logits."""
         return reference(
             self.problem.hidden, self.problem.weight, self.problem.targets,
             grad_logprob=grad_logprob, grad_entropy=grad_entropy, magnitudes=True,
             **self._options(),
-        ).magnitudes  # fmt: skip
+        )  # fmt: skip
+
+    @cached_property
+    def terms(self) -> dict[str, Reference]:
+        """R's runs with their magnitudes and d_logits, by output prefix: ``""`` under the
+        per-token upstreams, ``"loss_"`` under the loss's."""
+        problem = self.problem
+        return {
+            "": self.terms_under(problem.grad_logprob, problem.grad_entropy),
+            "loss_": self.terms_under(self.loss_upstream(problem.grad_loss), None),
+        }
 
     @cached_property
     def magnitudes(self) -> dict[str, torch.Tensor]:
         """Per gradient output of R (``grad_hidden``, ``loss_grad_weight``, ...), the float64 sum
         of the absolute values of the terms each element sums (`Reference.magnitudes`): any order
         of summing n of them in unit roundoff u is off by at most about n * u times this."""
-        problem = self.problem
-        runs = {
-            "": self.magnitudes_under(problem.grad_logprob, problem.grad_entropy),
-            "loss_": self.loss_magnitudes(),
-        }
         out = {}
-        for prefix, run in runs.items():
-            if run is not None:
-                out[prefix + "grad_hidden"], out[prefix + "grad_weight"] = run
+        for prefix, run in self.terms.items():
+            if run.magnitudes is not None:
+                out[prefix + "grad_hidden"], out[prefix + "grad_weight"] = run.magnitudes
         return out
 
     def loss_magnitudes(

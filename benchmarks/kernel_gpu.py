@@ -5,7 +5,7 @@ Run from the repo root (each peer is used when its package imports; wheels trave
 Steps: (1) the compiled kernels vs float64 at one large shape; (2) a tile sweep of both kernels at
 llama3-8k, the fastest tiles become the config of (3) (``--no-sweep`` keeps the configured ones);
 (3) the stages' breakdown (``--breakdown-shapes``); (4) per shape: one bf16 GEMM, stock PyTorch,
-lce triton (default, kept logits, fast, main_grad), the cuBLAS GEMMs of the main_grad path alone,
+lce triton (default, fast, main_grad), the cuBLAS GEMMs of the main_grad path alone,
 and the peers (`PEERS`: Liger's Triton FLCE and Hopper CuTe kernels, QuACK, Apple CCE and its
 torch_compile path): time (median ms), peak memory above the inputs (GiB), normwise grad errors
 vs an fp32 materialized reference; then each issue's verdicts (`kernel_targets`). The stage tests
@@ -32,19 +32,22 @@ import torch.nn.functional as F
 import triton
 
 import lce
-from lce.backends.base import BackwardRows
+from lce.backends.base import BackwardRows, TokenUpstream, Wanted
 from lce.backends.gemm import addmm_, mm_into
 from lce.backends.triton import TileShape, TritonStages
 from lce.backends.triton import config as triton_config
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.forward_kernel import forward_partials
 from lce.backends.triton.stages import chunk_width
-from lce.tp import merge_stats
+from lce.options import LogitOptions
+from lce.tp import VocabShard, merge_stats
 from verify.numerics.reference import IGNORE_INDEX
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "lce"))
 import kernel_targets  # this script's folder is on sys.path
 from test_triton_stages import reference_grads, reference_rows, reference_stats
+
+PLAIN = LogitOptions()  # temperature 1, no other option: the plain LM head
 
 SHAPES = {
     "llama3-8k": (8192, 4096, 128256),
@@ -98,7 +101,8 @@ def check_large(num_tokens=4096, hidden_size=4096, vocab=32257, temperature=0.8)
     upstream_ = torch.randn(2, num_tokens, device="cuda", generator=gen) * (targets != -1)
     upstream = (upstream_[0], upstream_[1])
     stages = TritonStages()
-    stats = stages.forward_stats(hidden, weight, targets, 0, temperature)
+    logit = LogitOptions(temperature=temperature)
+    stats = stages.forward_stats(hidden, weight, None, targets, 0, logit)
     ref_stats = reference_stats(hidden, weight, targets, 0, temperature)
     max_z = stats.max.double() / temperature  # max and target_logit come in raw dot units
     lse = max_z + stats.sumexp.double().log()
@@ -113,11 +117,11 @@ def check_large(num_tokens=4096, hidden_size=4096, vocab=32257, temperature=0.8)
         .item(),
     }
     rows = reference_rows(hidden, weight, targets, 0, temperature, upstream)
-    grads = stages.backward_grads(hidden, weight, targets, 0, temperature, rows, True, True)
+    grads = stages.backward_grads(hidden, weight, None, targets, 0, logit, rows, Wanted(True, True))
     ref = reference_grads(hidden, weight, targets, 0, temperature, upstream)
     base = reference_grads(hidden, weight, targets, 0, temperature, upstream, torch.bfloat16)
     ok = max(result["lse_max_abs_err"], result["expected_max_abs_err"]) < 1e-3
-    for name, got, r, b in zip(("grad_hidden", "grad_weight"), grads, ref, base, strict=True):
+    for name, got, r, b in zip(("grad_hidden", "grad_weight"), grads[:2], ref, base, strict=True):
         result[f"{name}_rel_err"] = rel(got.double(), r)
         # The baseline rounded like the result (grad_weight comes back in weight's dtype).
         result[f"{name}_baseline_rel_err"] = rel(b.to(got.dtype).double(), r)
@@ -160,13 +164,13 @@ def _sweep_fn(kernel, tile, tpp, tma, data) -> tuple[Callable[[], object], float
         cfg = dataclasses.replace(
             triton_config.GPU_CONFIG, forward=tile, tiles_per_program=tpp, use_tma=tma
         )
-        return lambda: forward_partials(hidden, weight, targets, 0, 1.0, cfg), 1.0
+        return lambda: forward_partials(hidden, weight, None, targets, 0, PLAIN, cfg), 1.0
     cfg = dataclasses.replace(triton_config.GPU_CONFIG, backward=tile, use_tma=tma)
     width = d_logits.shape[1]
     rows = BackwardRows(*[ones] * len(dataclasses.fields(BackwardRows)))
 
     def one_chunk():
-        dlogits_chunk(hidden, weight[:width], targets, 0, 1.0, rows, d_logits, cfg)
+        dlogits_chunk(hidden, weight[:width], None, targets, 0, PLAIN, rows, d_logits, cfg)
 
     return one_chunk, weight.shape[0] / width
 
@@ -214,20 +218,23 @@ def breakdown(num_tokens: int, hidden_size: int, vocab: int) -> dict:
     inp = make_inputs(num_tokens, hidden_size, vocab)
     hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"].clamp(min=-1)
     stages = TritonStages()
-    stats = stages.forward_stats(hidden, weight, targets, 0, 1.0)
-    merged = merge_stats(stats, targets >= 0, None, 1.0)  # temperature 1, as forward_stats
+    stats = stages.forward_stats(hidden, weight, None, targets, 0, PLAIN)
+    merged = merge_stats(stats, targets >= 0, VocabShard(None, 0, weight.shape[0]), PLAIN)
     g_lp = inp["upstream"]
-    g_ent = torch.zeros_like(g_lp)
-    rows = BackwardRows(
-        merged.max, merged.log_sumexp, merged.centred_mean, g_lp, g_ent,
-        merged.target_grad(g_lp, g_ent),
-    )  # fmt: skip
-    args = (hidden, weight, targets, 0, 1.0, rows)
+    zero = torch.zeros_like(g_lp)
+    rows = merged.backward_rows(TokenUpstream(g_lp, zero, zero, zero))
+    args = (hidden, weight, None, targets, 0, PLAIN, rows)
     out = {
-        "forward_stats_ms": time_ms(lambda: stages.forward_stats(hidden, weight, targets, 0, 1.0)),
-        "backward_grads_ms": time_ms(lambda: stages.backward_grads(*args, True, True)),
-        "backward_grad_weight_only_ms": time_ms(lambda: stages.backward_grads(*args, False, True)),
-        "backward_grad_hidden_only_ms": time_ms(lambda: stages.backward_grads(*args, True, False)),
+        "forward_stats_ms": time_ms(
+            lambda: stages.forward_stats(hidden, weight, None, targets, 0, PLAIN)
+        ),
+        "backward_grads_ms": time_ms(lambda: stages.backward_grads(*args, Wanted(True, True))),
+        "backward_grad_weight_only_ms": time_ms(
+            lambda: stages.backward_grads(*args, Wanted(False, True))
+        ),
+        "backward_grad_hidden_only_ms": time_ms(
+            lambda: stages.backward_grads(*args, Wanted(True, False))
+        ),
     }
     # d_logits chunks inside grad_weight's free rows (MiB; wider costs no peak) and the tail
     # buffer's (the peak's only part above grad_weight and grad_hidden's sums): fewer chunks,
@@ -236,7 +243,7 @@ def breakdown(num_tokens: int, hidden_size: int, vocab: int) -> dict:
         cfg = dataclasses.replace(
             triton_config.GPU_CONFIG, aliased_chunk_bytes=aliased << 20, tail_chunk_bytes=tail << 20
         )
-        grads = functools.partial(TritonStages(cfg).backward_grads, *args, True, True)
+        grads = functools.partial(TritonStages(cfg).backward_grads, *args, Wanted(True, True))
         key = f"backward_grads_aliased{aliased}_tail{tail}MiB"
         out[f"{key}_round{round_}_ms"] = time_ms(grads)
         out[f"{key}_peak_gib"] = peak_gib(grads)[0]
@@ -474,8 +481,6 @@ def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
         rows.append(measure("stock PyTorch", lambda: stock_forward(inp), None, None))
         forward = functools.partial(lce_loss, **_args(inp), mode="token")
         rows.append(measure("lce triton", forward, None, None))
-        with triton_config_changed(keep_logits_bytes=KEEP_ALL):
-            rows.append(measure(kernel_targets.LCE_KEPT, forward, None, None))
         for name, loss_fn in peers.items():
             rows.append(measure(name, lambda f=loss_fn: f(**_args(inp), mode="mean"), None, None))
     methods = {"stock PyTorch": stock_loss, "lce triton": lce_loss, **peers}
@@ -483,16 +488,10 @@ def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
         for name, loss_fn in methods.items():
             if mode == "mean" or name not in kernel_targets.MEAN_ONLY:
                 rows.append(measure(name, grads_of(loss_fn, inp, mode), ref, mode))
-        with triton_config_changed(keep_logits_bytes=KEEP_ALL):
-            rows.append(measure(kernel_targets.LCE_KEPT, grads_of(lce_loss, inp, mode), ref, mode))
     rows += lce_scalar_rows(inp, ref)
     rows.append(measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None))
     grads_gib = (num_tokens + vocab) * hidden_size * 2 / GIB
     return {"shape": shape, "T_H_V": SHAPES[shape], "grads_gib": grads_gib, "rows": rows}
-
-
-# A keep_logits_bytes that keeps the logits at every benchmark shape.
-KEEP_ALL = 1 << 40
 
 
 @contextlib.contextmanager

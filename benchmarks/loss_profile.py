@@ -21,11 +21,15 @@ import torch
 from kernel_gpu import GIB, SHAPES, main_grad_run, make_inputs, peak_gib, time_ms  # same folder
 from torch.profiler import ProfilerActivity, profile
 
+from lce.backends.base import BackwardRows, ShardStats
 from lce.backends.gemm import addmm_, mm_into
 from lce.backends.triton import TritonStages
 from lce.backends.triton import config as triton_config
 from lce.backends.triton.forward_kernel import forward_partials
 from lce.backends.triton.loss_kernels import row_dlogits, row_stats_into
+from lce.options import LogitOptions
+
+PLAIN = LogitOptions()  # temperature 1, no other option: the plain LM head
 
 CHUNK_BUDGETS_GIB = (1.25, 1.5)
 
@@ -126,26 +130,29 @@ def stage_times(inp: dict, main_grad: torch.Tensor) -> dict:
     rows = TritonStages().loss_chunk_rows(num_tokens, weight.shape[0], 2)
     h, t = hidden[:rows], targets[:rows]
     logits = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device="cuda")
-    stats = torch.empty(4, rows, dtype=torch.float32, device="cuda")
+    stats = torch.empty(len(dataclasses.fields(ShardStats)), rows, device="cuda")
     ones = torch.ones(rows, device="cuda")
+    zeros = torch.zeros(rows, device="cuda")
+    # max, log_sumexp, centred_mean, softmax_coef, grad_entropy, target_grad, uniform
+    backward_rows = BackwardRows(stats[0], ones, zeros, ones * 1e-4, zeros, ones, zeros)
     grad_hidden = torch.empty(rows, hidden_size, dtype=torch.float32, device="cuda")
     grad_hidden_bf16 = torch.empty(rows, hidden_size, dtype=weight.dtype, device="cuda")
     mm_into(h, weight.T, out=logits)
     out = {"chunk_rows": rows, "chunks": -(-num_tokens // rows)}
     for block_v, warps in ((2048, 8), (4096, 8), (2048, 4), (1024, 4), (4096, 16), (8192, 16)):
         name = f"row_stats_block{block_v}_warps{warps}"
-        stats_fn = functools.partial(row_stats_into, logits, t, 0, 1.0, stats, block_v, warps)
+        stats_fn = functools.partial(
+            row_stats_into, logits, None, t, 0, PLAIN, stats, block_v, warps
+        )
         out[name] = time_ms(stats_fn)
         print("stage", name, out[name], flush=True)
     timed = {
         "logits_gemm": lambda: mm_into(h, weight.T, out=logits),
         "forward_partials_kernel": lambda: forward_partials(
-            h, weight, t, 0, 1.0, triton_config.GPU_CONFIG
+            h, weight, None, t, 0, PLAIN, triton_config.GPU_CONFIG
         ),
-        "row_stats": lambda: row_stats_into(logits, t, 0, 1.0, stats),
-        "row_dlogits": lambda: row_dlogits(
-            logits, logits, t, 0, 1.0, stats[0], ones, ones * 1e-4, ones
-        ),
+        "row_stats": lambda: row_stats_into(logits, None, t, 0, PLAIN, stats),
+        "row_dlogits": lambda: row_dlogits(logits, logits, None, t, 0, PLAIN, backward_rows),
         "copy_logits_once": lambda: logits.clone(),
         "grad_hidden_fp32_out": lambda: mm_into(logits, weight, out=grad_hidden),
         "grad_hidden_bf16_out": lambda: torch.mm(logits, weight, out=grad_hidden_bf16),

@@ -14,6 +14,7 @@ whether the SASS is identical to the first tree's. Run without ``TRITON_INTERPRE
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -36,9 +37,10 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
     """``{launch name: (kernel, args, kwargs)}`` of one rank (the last) at ``shape`` over ``tp``."""
     import torch
 
-    from lce.backends.base import BackwardRows
+    from lce.backends.base import BackwardRows, ShardStats, select_rows
     from lce.backends.triton import backward_kernel, forward_kernel, loss_kernels, stages
     from lce.backends.triton.config import GPU_CONFIG
+    from lce.options import LogitOptions
 
     kernels = {
         "forward": forward_kernel._forward_partials_kernel,
@@ -66,27 +68,30 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
     weight = torch.empty(vocab_local, hidden_size, dtype=torch.bfloat16)
     targets = torch.zeros(num_tokens, dtype=torch.int64)
     launches = {}
-    partials = forward_kernel.forward_partials(
-        hidden, weight, targets, vocab_start, 1.0, GPU_CONFIG
+    plain = LogitOptions()
+    partials, split_cols = forward_kernel.forward_partials(
+        hidden, weight, None, targets, vocab_start, plain, GPU_CONFIG
     )
-    forward_kernel.merge_partials(partials, 1.0)
+    forward_kernel.merge_partials(partials, plain, vocab_local, split_cols)
     launches["forward"], launches["merge"] = captured.pop("forward"), captured.pop("merge")
-    # As FusedLogprobEntropy.backward builds them: fresh fp32 rows, bf16 grad_weight.
-    rows = BackwardRows(*torch.empty(6, num_tokens).unbind(0))
+    # As FusedTokenStats.backward builds them: fresh fp32 rows, bf16 grad_weight.
+    rows = BackwardRows(*torch.empty(len(dataclasses.fields(BackwardRows)), num_tokens).unbind(0))
     grad_weight = torch.empty_like(weight)
     chunks = stages._dlogits_chunks(num_tokens, weight, grad_weight, GPU_CONFIG)
     for index in (0, len(chunks) - 1):
         chunk, buffer = chunks[index]
         backward_kernel.dlogits_chunk(
-            hidden, weight[chunk], targets, vocab_start + chunk.start, 1.0, rows, buffer, GPU_CONFIG
-        )
+            hidden, weight[chunk], None, targets, vocab_start + chunk.start, plain, rows,
+            buffer, GPU_CONFIG,
+        )  # fmt: skip
         launches[f"d_logits[{index}]"] = captured.pop("d_logits")
     step = stages.TritonStages(GPU_CONFIG).loss_chunk_rows(num_tokens, vocab_local, 2)
     logits = torch.empty(step, vocab_local, dtype=torch.bfloat16)
-    per_row = torch.empty(5, step).unbind(0)
-    stats = torch.empty(4, num_tokens)
-    loss_kernels.row_stats_into(logits, targets[:step], vocab_start, 1.0, stats[:, :step])
-    loss_kernels.row_dlogits(logits, logits, targets[:step], vocab_start, 1.0, *per_row[:4])
+    stats = torch.empty(len(dataclasses.fields(ShardStats)), num_tokens)
+    loss_kernels.row_stats_into(logits, None, targets[:step], vocab_start, plain, stats[:, :step])
+    loss_kernels.row_dlogits(
+        logits, logits, None, targets[:step], vocab_start, plain, select_rows(rows, slice(step))
+    )
     launches["row_stats"], launches["row_dlogits"] = (
         captured.pop("row_stats"),
         captured.pop("row_dlogits"),

@@ -54,7 +54,7 @@ def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
     stages = TritonStages()
 
     def forward():
-        stages.forward_stats(hidden, weight, kernel_targets, 0, 1.0)
+        stages.forward_stats(hidden, weight, None, kernel_targets, 0, lce.LogitOptions())
 
     def gemm():
         hidden @ weight.T

@@ -2,6 +2,6 @@
 materializing the ``[tokens, vocab]`` logits, with vocab-parallel tensor parallelism."""
 
 from lce.api import TokenOutputs, linear_cross_entropy, token_logprobs
-from lce.options import LCEOptions
+from lce.options import LCEOptions, LogitOptions
 
-__all__ = ["LCEOptions", "TokenOutputs", "linear_cross_entropy", "token_logprobs"]
+__all__ = ["LCEOptions", "LogitOptions", "TokenOutputs", "linear_cross_entropy", "token_logprobs"]

@@ -7,14 +7,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lce.autograd import FusedLogprobEntropy, FusedScalarLoss, Plan
+from lce.autograd import FusedScalarLoss, FusedTokenStats, Plan
 from lce.backends import get_stages, resolve_backend_name
 from lce.backends.torch_chunked import default_chunk_size
 from lce.dtensor import local_call
 from lce.grad_buffer import loss_into_grad_buffer
-from lce.options import LCEOptions
-from lce.tp import CallShape, agree_on_call, resolve_shard, usable_group
-from lce.validation import check_inputs, check_reduction
+from lce.loss_terms import token_loss
+from lce.options import LCEOptions, LogitOptions
+from lce.tp import CallShape, agree_on_call, logit_key, resolve_shard, usable_group
+from lce.validation import check_flag, check_inputs, check_reduction
 
 
 class TokenOutputs(NamedTuple):
@@ -29,8 +30,11 @@ def token_logprobs(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
     ignore_index: int = -100,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     reduce_grad_hidden: bool = True,
@@ -39,9 +43,10 @@ def token_logprobs(
 ) -> TokenOutputs:
     """Per-token log-prob of the target and entropy, never materializing ``[T, V]`` logits.
 
-    ``z = (hidden @ weight.T) / temperature``; ``logprobs = z_y - logsumexp(z)``;
-    ``entropy = logsumexp(z) - sum_j softmax(z)_j z_j``. Both are differentiable w.r.t. ``hidden``
-    and ``weight`` with any upstream gradients.
+    ``z = cap * tanh(s * (hidden @ weight.T + bias) / cap) / T`` (``s = logit_scale``,
+    ``cap = softcap``, ``T = temperature``; without a cap ``z = s * (hidden @ weight.T + bias) /
+    T``); ``logprobs = z_y - logsumexp(z)``; ``entropy = logsumexp(z) - sum_j softmax(z)_j z_j``.
+    Both are differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` with any upstream gradients.
 
     Args:
         hidden: ``[T, H]`` or ``[B, T, H]``; cast to ``weight``'s dtype for the matmul like a linear
@@ -51,6 +56,9 @@ def token_logprobs(
             ``[0, V)`` that are not ``ignore_index`` raise ``ValueError`` (on CUDA with
             ``LCE_HOST_CHECKS=1``; by default there a device-side assert fails the stream, with no
             host sync: see `lce.validation.check_target_ids`).
+        bias: this rank's LM-head bias ``[V_local]`` (sharded like weight's rows), weight's dtype
+            and device; its gradient stays on the rank.
+        logit_scale, softcap: see `lce.LogitOptions` (a float > 0; ``softcap`` None: no cap).
         tp_group: vocab-parallel group; ``None`` (or a group of one) means no TP.
         vocab_start: first global id of this rank's rows; default ``tp_rank * V_local``.
         reduce_grad_hidden: sum grad_hidden over the TP group (fp32) in backward; False leaves it
@@ -58,18 +66,23 @@ def token_logprobs(
         backend: ``"auto"`` (Triton on CUDA if installed, else torch), ``"torch"`` or ``"triton"``.
         chunk_size: tokens per chunk (default: torch ~64 MiB of fp32 logits per chunk, Triton all
             tokens at once); the Triton kernels then run per block, bounding their workspace.
-        Under TP every rank passes the same tokens and either all or none pass ``vocab_start``;
-        ranks that disagree all raise the same ``ValueError`` before any per-token collective.
+        Under TP every rank passes the same tokens, the same options and either all or none pass
+        ``vocab_start``; ranks that disagree, or any rank whose arguments are rejected, make
+        every rank raise before any per-token collective.
         A DTensor ``weight`` (see `lce.dtensor`): Shard(0) on a 1-D mesh runs vocab-parallel on
         the mesh's group, Replicate runs locally; its gradient is a DTensor of the same placement.
     """
-    weight, tp_group, vocab_start, _ = local_call(hidden, weight, targets, tp_group, vocab_start)
-    options = LCEOptions(
-        ignore_index=ignore_index, temperature=temperature, tp_group=tp_group,
-        vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
-        chunk_size=chunk_size,
+    weight, bias, tp_group, vocab_start, _ = local_call(
+        hidden, weight, bias, targets, tp_group, vocab_start
+    )
+    logit = {"temperature": temperature, "logit_scale": logit_scale, "softcap": softcap}
+    plan = _plan(
+        hidden, weight, bias, targets, "none", logit,
+        ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
+        reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
     )  # fmt: skip
-    return _token_outputs(hidden, weight, targets, _plan(hidden, weight, targets, options))
+    logprobs, entropy, _, _ = _token_outputs(hidden, weight, bias, targets, plan)
+    return TokenOutputs(logprobs, entropy)
 
 
 def linear_cross_entropy(
@@ -77,9 +90,15 @@ def linear_cross_entropy(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
     reduction: str = "mean",
     ignore_index: int = -100,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    label_smoothing: float = 0.0,
+    return_z_loss: bool = False,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     reduce_grad_hidden: bool = True,
@@ -88,21 +107,27 @@ def linear_cross_entropy(
     fast: bool = False,
     grad_weight_into: torch.Tensor | None = None,
     assumed_loss_grad: float = 1.0,
-) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ weight.T / temperature`` against ``targets``, fp32.
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of the logits of `token_logprobs` against ``targets``, fp32, per token
+    ``(1 - eps) (lse - z_y) + eps mean_j(lse - z_j) + c lse^2`` (`lce.LogitOptions`).
 
     ``reduction``: ``"none"`` (per token, 0 where ignored), ``"sum"``, or ``"mean"`` over
     non-ignored tokens (NaN if all are ignored, as in PyTorch, with exactly zero gradients).
     By default the gradients take 4 GEMMs (logits recomputed in backward) and little memory.
 
     Args:
+        z_loss: ``c >= 0``; the term is added only when ``c > 0``.
+        label_smoothing: ``eps`` in [0, 1], PyTorch's definition (the mean over the whole
+            vocabulary, every TP shard's).
+        return_z_loss: return ``(loss, z_loss)``: the z term alone, reduced like the loss (already
+            inside it), detached (for logging).
         fast: ``"sum"``/``"mean"`` in 3 GEMMs: gradients computed in the forward pass, grad_weight
             accumulated across token chunks in an fp32 ``[V_local, H]`` buffer (more memory).
             No effect for ``"none"``: per-token upstream gradients need the 4-GEMM path.
         grad_weight_into: an fp32 (fp64 for fp64 weights) ``[V_local, H]`` buffer, e.g.
             Megatron's ``weight.main_grad``: 3 GEMMs, the weight gradient is added to it (one
             fp32 accumulation, no buffer of lce's own) and ``weight.grad`` is left alone (see
-            `lce.grad_buffer.LossIntoGradBuffer` for Megatron's DDP flags).
+            `lce.grad_buffer.LossIntoGradBuffer`); the bias gets an ordinary gradient.
         assumed_loss_grad: with ``grad_weight_into``, the upstream gradient the caller will put
             on the loss (on each token's loss for ``"none"``), which the forward assumes; any
             other stays exact but recomputes the logits of the rows where it differs (for
@@ -111,57 +136,95 @@ def linear_cross_entropy(
     Other arguments as in `token_logprobs` (with a DTensor weight, ``grad_weight_into`` is a
     DTensor of the same layout).
     """
-    weight, tp_group, vocab_start, grad_weight_into = local_call(
-        hidden, weight, targets, tp_group, vocab_start, grad_weight_into
+    weight, bias, tp_group, vocab_start, grad_weight_into = local_call(
+        hidden, weight, bias, targets, tp_group, vocab_start, grad_weight_into
     )
-    options = LCEOptions(
-        ignore_index=ignore_index, temperature=temperature, tp_group=tp_group,
-        vocab_start=vocab_start, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
-        chunk_size=chunk_size,
+    logit = dict(
+        temperature=temperature, logit_scale=logit_scale, softcap=softcap, z_loss=z_loss,
+        label_smoothing=label_smoothing,
     )  # fmt: skip
-    plan = _plan(hidden, weight, targets, options, reduction)
-    if grad_weight_into is not None and _grads_wanted(hidden, weight):
-        return loss_into_grad_buffer(
-            hidden, weight, targets, plan, grad_weight_into, reduction, assumed_loss_grad
+    plan = _plan(
+        hidden, weight, bias, targets, reduction, logit, return_z_loss=return_z_loss,
+        ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
+        reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
+    )  # fmt: skip
+    if grad_weight_into is not None and _grads_wanted(hidden, weight, bias):
+        loss, z_term = loss_into_grad_buffer(
+            hidden, weight, bias, targets, plan, grad_weight_into, reduction, assumed_loss_grad
         )
-    if fast and reduction != "none" and _grads_wanted(hidden, weight):
-        return FusedScalarLoss.apply(
-            hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), plan, reduction
-        )
-    logprobs = _token_outputs(hidden, weight, targets, plan).logprobs
+    elif fast and reduction != "none" and _grads_wanted(hidden, weight, bias):
+        loss, z_term = FusedScalarLoss.apply(
+            hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan,
+            reduction,
+        )  # fmt: skip
+    else:
+        loss, z_term = _reduced_loss(hidden, weight, bias, targets, plan, reduction)
+    return (loss, z_term.detach()) if return_z_loss else loss
+
+
+def _reduced_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    plan: Plan,
+    reduction: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default (4-GEMM) path: `token_loss` of the differentiable token statistics, and its
+    z term, reduced."""
+    logprob, _, lse, smooth = _token_outputs(hidden, weight, bias, targets, plan)
+    loss, z_term = token_loss(logprob, lse, smooth, plan.options.logit)
+    if z_term is None:
+        z_term = torch.zeros_like(loss)
     if reduction == "none":
-        return -logprobs
-    total = -logprobs.sum()
+        return loss, z_term
+    totals = loss.sum(), z_term.sum()
     if reduction == "sum":
-        return total
-    return total / (targets != options.ignore_index).sum()
+        return totals
+    count = (targets != plan.options.ignore_index).sum()
+    return totals[0] / count, totals[1] / count
 
 
 def _token_outputs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, plan: Plan
-) -> TokenOutputs:
-    logprobs, entropy = FusedLogprobEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), plan
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    plan: Plan,
+) -> tuple[torch.Tensor, ...]:
+    """`FusedTokenStats`' four statistics, each shaped like ``targets``."""
+    stats = FusedTokenStats.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan
     )
-    return TokenOutputs(logprobs.view(targets.shape), entropy.view(targets.shape))
+    return tuple(stat.view(targets.shape) for stat in stats)
 
 
-def _grads_wanted(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+def _grads_wanted(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    leaves = (hidden, weight) if bias is None else (hidden, weight, bias)
+    return torch.is_grad_enabled() and any(leaf.requires_grad for leaf in leaves)
 
 
 def _plan(
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    bias: torch.Tensor | None,
     targets: torch.Tensor,
-    options: LCEOptions,
-    reduction: str = "none",
+    reduction: str,
+    logit: dict[str, object],
+    return_z_loss: bool = False,
+    **settings: object,
 ) -> Plan:
-    """Check the arguments, agree with the TP group's other ranks, pick the stages and shard."""
-    group = usable_group(options.tp_group)
+    """Check the arguments, agree with the TP group's other ranks, pick the stages and shard.
+
+    ``logit`` holds the `LogitOptions` fields, ``settings`` the other `LCEOptions` fields. Every
+    rejected argument raises on every rank of the TP group alike (`agree_on_call`).
+    """
+    group = usable_group(settings["tp_group"])
     try:
+        options = LCEOptions(logit=LogitOptions(**logit), **settings)
         check_reduction(reduction)
-        check_inputs(hidden, weight, targets)
+        check_flag("return_z_loss", return_z_loss)
+        check_inputs(hidden, weight, targets, bias)
         backend = resolve_backend_name(options.backend, hidden.device, weight.dtype)
     except (TypeError, ValueError) as error:
         if group is not None:
@@ -169,7 +232,10 @@ def _plan(
         raise
     chunk_size = options.chunk_size
     if group is not None:
-        shape = CallShape(targets.numel(), weight.shape[0], options.vocab_start is not None)
+        shape = CallShape(
+            targets.numel(), weight.shape[0], options.vocab_start is not None,
+            logit_key(options.logit),
+        )  # fmt: skip
         largest_shard = agree_on_call(group, shape, None)
         if backend == "torch" and chunk_size is None:
             # The scalar-loss path merges per chunk: every rank must cut the tokens alike.

@@ -35,6 +35,7 @@ class LocalCall(NamedTuple):
     """The arguments lce runs with: plain tensors, and the TP group and offset a DTensor implies."""
 
     weight: torch.Tensor
+    bias: torch.Tensor | None
     tp_group: dist.ProcessGroup | None
     vocab_start: int | None
     grad_weight_into: torch.Tensor | None
@@ -51,16 +52,19 @@ def is_dtensor(value: object) -> bool:
 def local_call(
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    bias: torch.Tensor | None,
     targets: torch.Tensor,
     tp_group: dist.ProcessGroup | None,
     vocab_start: int | None,
     grad_weight_into: torch.Tensor | None = None,
 ) -> LocalCall:
-    """The call's arguments as lce takes them: unchanged unless ``weight`` is a DTensor.
+    """The call's arguments as lce takes them: unchanged unless ``weight`` is a DTensor (then a
+    ``bias`` must be a DTensor laid out as the weight's rows, and its local shard is used).
 
     Raises `TypeError` for DTensor ``hidden``/``targets`` and `ValueError` for a weight layout lce
     does not take, a ``tp_group``/``vocab_start`` beside a DTensor weight (the mesh says both), a
-    ``grad_weight_into`` whose layout is not the weight's, or (Shard(0)) ranks whose tokens differ.
+    ``bias`` or ``grad_weight_into`` whose layout is not the weight's, or (Shard(0)) ranks whose
+    tokens differ.
     """
     for name, value in (("hidden", hidden), ("targets", targets)):
         if is_dtensor(value):
@@ -70,26 +74,31 @@ def local_call(
                 f"{name}.full_tensor() (differentiable), or {name}.to_local() where it is Replicate"
             )
     if not is_dtensor(weight):
-        if is_dtensor(grad_weight_into):
-            raise ValueError(
-                "grad_weight_into is a DTensor but weight is not; pass the buffer for weight's "
-                "own (local) rows as a plain tensor"
-            )
-        return LocalCall(weight, tp_group, vocab_start, grad_weight_into)
+        for name, value in (("bias", bias), ("grad_weight_into", grad_weight_into)):
+            if is_dtensor(value):
+                raise ValueError(
+                    f"{name} is a DTensor but weight is not; pass {name} for weight's own "
+                    "(local) rows as a plain tensor"
+                )
+        return LocalCall(weight, bias, tp_group, vocab_start, grad_weight_into)
     if tp_group is not None or vocab_start is not None:
         raise ValueError(
             "weight is a DTensor: its device mesh gives the TP group and each rank's vocab_start; "
             "pass neither tp_group nor vocab_start with it (or pass weight.to_local() with them)"
         )
     buffer = _local_buffer(grad_weight_into, weight)
+    local_bias = None
+    if bias is not None:
+        _require_layout("bias", bias, weight, "its local shard is this rank's bias")
+        local_bias = bias.to_local()  # differentiable: the gradient comes back as a DTensor
     if all(placement.is_replicate() for placement in weight.placements):
-        return LocalCall(weight.to_local(), None, None, buffer)
+        return LocalCall(weight.to_local(), local_bias, None, None, buffer)
     if not _vocab_sharded(weight):
         raise ValueError(_layout_error(weight))
     local = weight.to_local()
     group = weight.device_mesh.get_group()
     require_same_tokens(hidden, local, targets, group)
-    return LocalCall(local, group, _vocab_start(weight, local), buffer)
+    return LocalCall(local, local_bias, group, _vocab_start(weight, local), buffer)
 
 
 def _vocab_sharded(weight: torch.Tensor) -> bool:
@@ -130,17 +139,21 @@ def _local_buffer(buffer: torch.Tensor | None, weight: torch.Tensor) -> torch.Te
     """grad_weight_into's local shard: the buffer must be laid out as the DTensor weight."""
     if buffer is None:
         return None
+    _require_layout("grad_weight_into", buffer, weight, "its local shard receives this rank's rows")
+    return buffer.to_local()
+
+
+def _require_layout(name: str, value: torch.Tensor, weight: torch.Tensor, why: str) -> None:
+    """``value`` must be a DTensor on the weight's mesh with its placements."""
     if not (
-        is_dtensor(buffer)
-        and buffer.device_mesh == weight.device_mesh
-        and tuple(buffer.placements) == tuple(weight.placements)
+        is_dtensor(value)
+        and value.device_mesh == weight.device_mesh
+        and tuple(value.placements) == tuple(weight.placements)
     ):
         raise ValueError(
-            f"with a DTensor weight (placements {weight.placements}), grad_weight_into must be a "
-            "DTensor on the weight's mesh with its placements (its local shard receives this "
-            "rank's gradient rows)"
+            f"with a DTensor weight (placements {weight.placements}), {name} must be a DTensor "
+            f"on the weight's mesh with its placements ({why})"
         )
-    return buffer.to_local()
 
 
 def require_same_tokens(
@@ -160,7 +173,8 @@ def require_same_tokens(
         check_inputs(hidden, weight, targets)
     except (TypeError, ValueError) as error:
         agree_on_call(group, None, error)
-    agree_on_call(group, CallShape(targets.numel(), weight.shape[0], True), None)
+    # The options are agreed on by the call itself (`lce.api`); here only the tokens' shape.
+    agree_on_call(group, CallShape(targets.numel(), weight.shape[0], True, logit_key=0), None)
     fingerprint = token_fingerprint(hidden, targets)
     if dist.get_backend(group) != "nccl":
         fingerprint = fingerprint.cpu()

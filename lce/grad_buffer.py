@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lce.autograd import Plan, double_backward_error, kernel_ids
-from lce.backends import StageBackend
-from lce.backends.base import accumulation_dtype
+from lce.backends.base import Wanted, accumulation_dtype
 from lce.loss_pass import loss_pass
 from lce.tp import VocabShard, reduce_grad_hidden
 from lce.validation import HOST_CHECKS_ENV, check_target_ids, host_checks
@@ -49,22 +48,25 @@ def check_grad_buffer(buffer: torch.Tensor, weight: torch.Tensor, assumed_upstre
 
 
 class LossIntoGradBuffer(torch.autograd.Function):
-    """Per-token ``row_scale * loss`` (fp32 ``[T]``), the weight gradient added to ``buffer``.
+    """Per-token ``row_scale * loss`` and ``row_scale * z_term`` (fp32 ``[T]`` each), the weight
+    gradient added to ``buffer``.
 
-    The forward computes the gradients assuming each output's upstream gradient is
+    The forward computes the gradients assuming each loss's upstream gradient is
     ``assumed_upstream`` (3 GEMMs), adds the weight part to ``buffer`` and keeps grad_hidden
-    (fp32 ``[T, H]``). Backward scales grad_hidden's rows by the actual upstream and recomputes
-    the rows whose upstream differs from the assumption (`_settle`): ``buffer`` ends at its old
-    content plus the true gradient either way, the assumption only decides the cost (where no
-    host sync may find those rows, a device-side assert requires the assumption instead).
-    ``per_token``: the outputs are the caller's per-token losses (``reduction="none"``), not
-    summed by lce into a scalar. ``row_scale`` is 0 on ignored rows. Every TP rank must get the
-    same upstream gradients (the per-token loss is replicated, as in megatron-core).
+    (fp32 ``[T, H]``) and grad_bias (fp32). Backward scales grad_hidden's rows by the actual
+    upstream and recomputes the rows whose upstream differs from the assumption (`_settle`):
+    ``buffer`` (and grad_bias) end at the true gradient either way, the assumption only decides
+    the cost (where no host sync may find those rows, a device-side assert requires the
+    assumption instead). ``per_token``: the outputs are the caller's per-token losses
+    (``reduction="none"``), not summed by lce into a scalar. ``row_scale`` is 0 on ignored rows.
+    Every TP rank must get the same upstream gradients (the per-token loss is replicated, as in
+    megatron-core). The z term (inside the loss already) is for logging: no gradient flows
+    through it.
 
     The weight's own gradient is what megatron-core's linear layers return under
     gradient_accumulation_fusion: a dummy of weight's shape (zeros if ``weight.zero_out_wgrad``)
     with ``weight.grad_added_to_main_grad = True`` where the weight has that flag (Megatron's
-    DDP), else None (``weight.grad`` untouched).
+    DDP), else None (``weight.grad`` untouched). The bias gets an ordinary gradient.
     """
 
     @staticmethod
@@ -72,53 +74,62 @@ class LossIntoGradBuffer(torch.autograd.Function):
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         targets: torch.Tensor,
         plan: Plan,
         buffer: torch.Tensor,
         row_scale: torch.Tensor,
         assumed_upstream: float,
         per_token: bool,
-    ) -> torch.Tensor:
-        ignore_index, temperature = plan.options.ignore_index, plan.options.temperature
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ignore_index, logit = plan.options.ignore_index, plan.options.logit
         shard, stages = plan.shard, plan.stages
         _, ids = kernel_ids(targets, ignore_index)
         _check_before_accumulating(targets, ids, shard, ignore_index)
         compute_hidden = hidden.to(weight.dtype)
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_logprob = row_scale * -assumed_upstream  # the loss is -logprob
-        logprobs, _, grad_hidden, _ = loss_pass(
-            stages, compute_hidden, weight, ids, shard, temperature, grad_logprob, need_hidden,
-            need_weight, buffer if need_weight else None,
+        wanted = Wanted(*ctx.needs_input_grad[:3])
+        result = loss_pass(
+            stages, compute_hidden, weight, bias, ids, shard, logit, row_scale * assumed_upstream,
+            wanted, buffer if wanted.weight else None,
         )  # fmt: skip
+        grad_hidden, grad_bias = result.grads.hidden, result.grads.bias
         if grad_hidden is not None and plan.options.reduce_grad_hidden:
             reduce_grad_hidden(grad_hidden, shard.group)
-        ctx.save_for_backward(grad_hidden, compute_hidden, weight, ids, row_scale)
+        ctx.save_for_backward(grad_hidden, grad_bias, compute_hidden, weight, bias, ids, row_scale)
         ctx.buffer = buffer  # not saved: megatron's layers keep main_grad out of version checks
         ctx.flagged_weight = weight  # the object carrying DDP's flags (saved tensors may not)
-        ctx.settings = (hidden.dtype, temperature, shard, stages, assumed_upstream, per_token)
-        return -logprobs * row_scale
+        ctx.settings = (hidden.dtype, logit, shard, stages, assumed_upstream, per_token)
+        z_terms = result.z_terms * row_scale
+        ctx.mark_non_differentiable(z_terms)
+        return result.losses * row_scale, z_terms
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_out: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # the saved gradients hold no graph: refuse, never zeros
             raise double_backward_error(
                 "linear_cross_entropy's grad_weight_into path (its gradients are computed in the "
                 "forward)"
             )
-        grad_hidden, compute_hidden, weight, ids, row_scale = ctx.saved_tensors
-        hidden_dtype, temperature, shard, stages, assumed, per_token = ctx.settings
+        grad_hidden, grad_bias, compute_hidden, weight, bias, ids, row_scale = ctx.saved_tensors
+        hidden_dtype, logit, shard, stages, assumed, per_token = ctx.settings
         upstream = torch.where(row_scale != 0, grad_out, torch.zeros_like(grad_out))
         if grad_hidden is not None:
             factor = (upstream / assumed).to(grad_hidden.dtype)
             grad_hidden = (grad_hidden * factor[:, None]).to(hidden_dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.clone()  # the saved one stays as saved (a second backward)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            wanted = Wanted(False, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+            operands = (compute_hidden, weight, bias, ids, shard, logit, stages)
+            _settle(
+                operands, wanted, ctx.buffer, grad_bias, row_scale, assumed, upstream, per_token
+            )
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            rows = (
-                compute_hidden, weight, ids, shard, temperature, stages, ctx.buffer, row_scale,
-            )  # fmt: skip
-            _settle(*rows, assumed, upstream, per_token)
             grad_weight = megatron_weight_grad(ctx.flagged_weight)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(weight.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _check_before_accumulating(
@@ -132,29 +143,28 @@ def _check_before_accumulating(
 
 
 def _settle(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    ids: torch.Tensor,
-    shard: VocabShard,
-    temperature: float,
-    stages: StageBackend,
+    operands: tuple[Any, ...],
+    wanted: Wanted,
     buffer: torch.Tensor,
+    grad_bias: torch.Tensor | None,
     row_scale: torch.Tensor,
     assumed: float,
     upstream: torch.Tensor,
     per_token: bool,
 ) -> None:
-    """On the rows whose upstream differs from the assumed one: take the forward's weight
-    gradient back out of ``buffer`` and add the true one. Undoing and redoing, rather than adding
-    the difference, keeps the single rounding of d_logits to weight's dtype: the undo rounds
-    exactly as the forward did, while a difference (-1.37 for an upstream of -0.37) would scale
-    the forward's rounding error by (1 + 1.37) / 0.37.
+    """On the rows whose upstream differs from the assumed one: take the forward's weight and bias
+    gradients back out of ``buffer`` and ``grad_bias`` and add the true ones. ``operands``:
+    ``(hidden, weight, bias, ids, shard, logit, stages)`` as the forward's `loss_pass` took them.
+    Undoing and redoing, rather than adding the difference, keeps the single rounding of d_logits
+    to weight's dtype: the undo rounds exactly as the forward did, while a difference (-1.37 for
+    an upstream of -0.37) would scale the forward's rounding error by (1 + 1.37) / 0.37.
 
     Finding the rows is a host sync on CUDA. It is made for per-token losses (``per_token``:
     their upstream is the caller's, e.g. a loss mask) and with ``LCE_HOST_CHECKS=1``; a scalar
     loss's one upstream (it would recompute every row), ``LCE_HOST_CHECKS=0`` and CUDA-graph
     capture get a device-side assert that the assumption held instead (`host_checks`).
     """
+    hidden, weight, bias, ids, shard, logit, stages = operands
     wrong = (upstream != assumed) & (row_scale != 0)
     if not host_checks(wrong.device, default=per_token):
         torch._assert_async(~wrong.any(), ASSUMED_UPSTREAM_ASSERT)
@@ -163,14 +173,13 @@ def _settle(
     if rows.numel() == 0:
         return
     scale = row_scale[rows]
-    for rows_used, grad_logprob in (
-        (rows, scale * assumed),  # the forward's -assumed * row_scale, negated
-        (rows, -upstream[rows] * scale),
-    ):
-        loss_pass(
-            stages, hidden[rows_used], weight, ids[rows_used], shard, temperature, grad_logprob,
-            False, True, buffer,
-        )  # fmt: skip
+    for grad_loss in (-scale * assumed, upstream[rows] * scale):  # undo the forward's, redo
+        grads = loss_pass(
+            stages, hidden[rows], weight, bias, ids[rows], shard, logit, grad_loss, wanted,
+            buffer if wanted.weight else None,
+        ).grads  # fmt: skip
+        if grad_bias is not None:
+            grad_bias += grads.bias
 
 
 def megatron_weight_grad(weight: torch.Tensor) -> torch.Tensor | None:
@@ -191,28 +200,30 @@ def megatron_weight_grad(weight: torch.Tensor) -> torch.Tensor | None:
 def loss_into_grad_buffer(
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    bias: torch.Tensor | None,
     targets: torch.Tensor,
     plan: Plan,
     buffer: torch.Tensor,
     reduction: str,
     assumed_upstream: float,
-) -> torch.Tensor:
-    """The loss with ``reduction`` (shaped like `lce.linear_cross_entropy`'s), its weight gradient
-    added to ``buffer``; ``assumed_upstream``: the gradient the caller will put on the loss (on
-    each token's loss for ``"none"``). Inputs already checked by `lce.validation.check_inputs`."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss and its z term with ``reduction`` (shaped like `lce.linear_cross_entropy`'s), the
+    weight gradient added to ``buffer``; ``assumed_upstream``: the gradient the caller will put on
+    the loss (on each token's loss for ``"none"``). Inputs already checked by
+    `lce.validation.check_inputs`."""
     check_grad_buffer(buffer, weight, assumed_upstream)
     valid = targets.reshape(-1) != plan.options.ignore_index
     valid_count = valid.sum()
     acc = accumulation_dtype(weight.dtype)
     per_row = 1.0 if reduction != "mean" else 1.0 / valid_count.clamp_min(1).to(acc)
     row_scale = torch.where(valid, per_row, 0.0).to(acc)
-    losses = LossIntoGradBuffer.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+    losses, z_terms = LossIntoGradBuffer.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
         plan, buffer, row_scale, assumed_upstream, reduction == "none",
     )  # fmt: skip
     if reduction == "none":
-        return losses.view(targets.shape)
-    total = losses.sum()
+        return losses.view(targets.shape), z_terms.view(targets.shape)
+    totals = losses.sum(), z_terms.sum()
     if reduction == "mean":  # NaN when every token is ignored, as in PyTorch
-        total = torch.where(valid_count > 0, total, torch.nan)
-    return total
+        totals = tuple(torch.where(valid_count > 0, total, torch.nan) for total in totals)
+    return totals

@@ -11,55 +11,69 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lce.backends.base import ShardStats, StageBackend, accumulation_dtype, select_rows
-from lce.tp import GlobalStats, VocabShard, merge_stats
+from lce.backends.base import (
+    BackwardRows,
+    Grads,
+    ShardStats,
+    StageBackend,
+    Wanted,
+    accumulation_dtype,
+    select_rows,
+)
+from lce.loss_terms import loss_upstream, token_loss
+from lce.options import LogitOptions
+from lce.tp import VocabShard, merge_stats
 
 
 class LossPass(NamedTuple):
-    """``logprobs`` and ``owners`` fp32 ``[T]`` (see `GlobalStats`); fp32 ``grad_hidden``
-    ``[T, H]`` (this shard's partial sum) and ``grad_weight`` ``[V_local, H]``, or None."""
+    """Per token, fp32 ``[T]``: the loss (`lce.loss_terms.token_loss`, not yet masked: the
+    caller zeroes ignored rows), its z term (0 without z-loss) and ``owners`` (see
+    `lce.tp.GlobalStats`); the fp32 gradients (grad_hidden this shard's partial sum)."""
 
-    logprobs: torch.Tensor
+    losses: torch.Tensor
+    z_terms: torch.Tensor
     owners: torch.Tensor
-    grad_hidden: torch.Tensor | None
-    grad_weight: torch.Tensor | None
+    grads: Grads
 
 
 def loss_pass(
     stages: StageBackend,
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    bias: torch.Tensor | None,
     kernel_targets: torch.Tensor,
     shard: VocabShard,
-    temperature: float,
-    grad_logprob: torch.Tensor,
-    need_hidden: bool,
-    need_weight: bool,
+    logit: LogitOptions,
+    grad_loss: torch.Tensor,
+    wanted: Wanted,
     grad_weight_out: torch.Tensor | None = None,
 ) -> LossPass:
-    """Log-probs and the gradients of ``sum(grad_logprob * logprobs)``, each logit computed once.
+    """The per-token loss and the gradients of ``sum(grad_loss * loss)``, each logit computed once.
 
     ``hidden`` is already in weight's dtype; ``kernel_targets`` int64 with ignored rows at -1 (and
-    ``grad_logprob`` 0 there). ``grad_weight_out`` (fp32 ``[V_local, H]``) receives the weight
+    ``grad_loss`` 0 there). ``grad_weight_out`` (fp32 ``[V_local, H]``) receives the weight
     gradient added to its content. Every TP rank must call with the same rows.
     """
     owned = shard.owns(kernel_targets)
     acc = accumulation_dtype(weight.dtype)
-    per_token = torch.zeros(2, kernel_targets.shape[0], dtype=acc, device=kernel_targets.device)
-    logprobs, owners = per_token.unbind(0)
+    per_token = torch.zeros(3, kernel_targets.shape[0], dtype=acc, device=kernel_targets.device)
+    losses, z_terms, owners = per_token.unbind(0)
 
-    def merge(stats: ShardStats, rows: slice) -> GlobalStats:
-        merged = merge_stats(select_rows(stats, rows), owned[rows], shard.group, temperature)
-        logprobs[rows] = merged.logprob
+    def merge(stats: ShardStats, rows: slice) -> BackwardRows:
+        merged = merge_stats(select_rows(stats, rows), owned[rows], shard, logit)
+        loss, z_term = token_loss(merged.logprob, merged.lse, merged.smooth, logit)
+        losses[rows] = loss
+        if z_term is not None:
+            z_terms[rows] = z_term
         owners[rows] = merged.owners
-        return merged
+        return merged.backward_rows(loss_upstream(grad_loss[rows].to(acc), merged.lse, logit))
 
     chunk_rows = _common_chunk_rows(stages, hidden, weight, shard)
-    _, grad_hidden, grad_weight = stages.loss_grads_in_forward(
-        hidden, weight, kernel_targets, shard.vocab_start, temperature, merge, grad_logprob,
-        need_hidden, need_weight, grad_weight_out, chunk_rows,
+    _, grads = stages.loss_grads_in_forward(
+        hidden, weight, bias, kernel_targets, shard.vocab_start, logit, merge, wanted,
+        grad_weight_out, chunk_rows,
     )  # fmt: skip
-    return LossPass(logprobs, owners, grad_hidden, grad_weight)
+    return LossPass(losses, z_terms, owners, grads)
 
 
 def _common_chunk_rows(

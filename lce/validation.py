@@ -15,7 +15,12 @@ from lce.options import REDUCTIONS
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+def check_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> None:
     """Types, shapes, dtypes and devices (`LCEOptions` checks the options itself); target *values*
     are checked after the shard merge."""
     for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
@@ -58,6 +63,35 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
             f"hidden, weight and targets must be on one device, got {hidden.device}, "
             f"{weight.device}, {targets.device}"
         )
+    if bias is not None:
+        check_bias(bias, weight)
+
+
+def check_bias(bias: torch.Tensor, weight: torch.Tensor) -> None:
+    """The LM head's bias: ``[V_local]`` (this rank's entries, sharded like the weight's rows),
+    in weight's dtype and on its device."""
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(
+            f"bias must be a torch.Tensor [V_local] or None, got {type(bias).__name__}; "
+            "convert it with torch.as_tensor(bias)"
+        )
+    if tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"bias must be [V_local] = ({weight.shape[0]},), this rank's entries like weight's "
+            f"rows, got shape {tuple(bias.shape)}"
+        )
+    if bias.dtype != weight.dtype:
+        raise ValueError(
+            f"bias must have weight's dtype {weight.dtype}, got {bias.dtype}; "
+            f"pass bias.to({weight.dtype})"
+        )
+    if bias.device != weight.device:
+        raise ValueError(f"bias must be on weight's device {weight.device}, got {bias.device}")
+
+
+def check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def check_reduction(reduction: str) -> None:

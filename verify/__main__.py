@@ -4,4 +4,5 @@ import sys
 
 from verify.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a fork server's worker imports this module as __mp_main__
+    sys.exit(main())

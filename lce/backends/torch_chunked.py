@@ -1,25 +1,32 @@
 """Pure-PyTorch backend: the stages over token chunks, at most ``[chunk, V_local]`` logits at once.
 
-Logits are ``hidden @ weight.T`` in the inputs' dtype (the stock path's rounding), then fp32 softmax
-math (fp64 for fp64 inputs); both gradients accumulate in fp32 (one rounding at the end).
+Logits are ``hidden @ weight.T`` in the inputs' dtype (the stock path's rounding), then the logit
+map (`raw_units`) and the softmax math in fp32 (fp64 for fp64 inputs); every gradient accumulates
+in fp32 (one rounding at the end).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import fields
 
 import torch
 
-from lce.backends.base import BackwardRows, ShardStats, accumulation_dtype, select_rows
+from lce.backends.base import (
+    BackwardRows,
+    GlobalMerge,
+    Grads,
+    ShardStats,
+    TokenUpstream,
+    Wanted,
+    accumulation_dtype,
+    select_rows,
+)
 from lce.backends.gemm import addmm_, mm_into
-from lce.tp import GlobalStats
+from lce.options import LogitOptions
 
 # Elements of one [chunk, V_local] fp32 block: 16 Mi = 64 MiB, so peak stays a few such blocks.
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
-
-# (chunk stats, rows) -> global statistics of those rows
-GlobalMerge = Callable[[ShardStats, slice], GlobalStats]
 
 
 class TorchChunkedStages:
@@ -42,105 +49,108 @@ class TorchChunkedStages:
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
     ) -> ShardStats:
         stats = _empty_stats(hidden, weight)
         if weight.shape[0] == 0:
             return stats
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         for rows in self._chunks(hidden.shape[0], weight.shape[0]):
-            logits = _logits(hidden[rows], weight)
-            _chunk_stats(logits, local[rows], owned[rows], stats, rows, temperature)
+            raw = _raw(hidden[rows], weight, bias, logit)
+            _chunk_stats(raw, local[rows], owned[rows], stats, rows, logit)
         return stats
 
     def backward_grads(
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
         rows: BackwardRows,
-        need_hidden: bool,
-        need_weight: bool,
+        wanted: Wanted,
         grad_hidden_dtype: torch.dtype | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    ) -> Grads:
         """Token chunks over the whole shard: each row of grad_hidden is one GEMM, written in
         ``grad_hidden_dtype`` when that is weight's (its one rounding), else in fp32."""
         rounded = grad_hidden_dtype == weight.dtype
-        grad_hidden, grad_weight = _grad_buffers(hidden, weight, need_hidden, need_weight, rounded)
+        grads = _grad_buffers(hidden, weight, wanted, rounded)
         if weight.shape[0] == 0:
-            return grad_hidden, grad_weight
+            return grads
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         for chunk in self._chunks(hidden.shape[0], weight.shape[0]):
-            logits = _logits(hidden[chunk], weight)
-            d = _chunk_dlogits(
-                logits, select_rows(rows, chunk), local[chunk], owned[chunk], temperature
-            )
-            _accumulate(d, hidden, weight, chunk, grad_hidden, grad_weight)
-        return grad_hidden, grad_weight
+            raw = _raw(hidden[chunk], weight, bias, logit)
+            slope = cap_slope(raw, logit)
+            d = _chunk_dlogits(raw, select_rows(rows, chunk), local[chunk], owned[chunk], logit)
+            _accumulate(d if slope is None else d.mul_(slope), hidden, weight, chunk, grads)
+        return grads
 
     def grads_with_graph(
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
-        grad_logprob: torch.Tensor,
-        grad_entropy: torch.Tensor,
-        need_hidden: bool,
-        need_weight: bool,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        logit: LogitOptions,
+        upstream: TokenUpstream,
+        wanted: Wanted,
+    ) -> Grads:
         """`backward_grads` as differentiable torch ops, for a backward with ``create_graph``.
 
         One shard holding the whole vocabulary (no TP). ``hidden`` is the caller's tensor (its
         cast to weight's dtype is differentiated too); gradients come back in the inputs' dtypes.
         The logits are materialized whole: a second-order graph keeps them anyway.
         """
-        compute_hidden = hidden.to(weight.dtype)
-        logits = (compute_hidden @ weight.T).to(accumulation_dtype(weight.dtype)) / temperature
+        logits = _raw(hidden.to(weight.dtype), weight, bias, logit)
+        logits = logits * logit.centred_scale  # z = k r, `LogitOptions`
         log_p = torch.log_softmax(logits, dim=-1)
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
-        logprobs = torch.where(owned, log_p.gather(1, local[:, None]).squeeze(1), 0.0)
-        entropy = torch.logsumexp(logits, dim=-1) - (log_p.exp() * logits).sum(dim=-1)
-        inputs = [tensor for tensor, need in ((hidden, need_hidden), (weight, need_weight)) if need]
-        upstream = (grad_logprob.to(logprobs.dtype), grad_entropy.to(entropy.dtype))
-        grads = list(torch.autograd.grad((logprobs, entropy), inputs, upstream, create_graph=True))
-        return grads.pop(0) if need_hidden else None, grads.pop(0) if need_weight else None
+        lse = torch.logsumexp(logits, dim=-1)
+        outputs = (
+            torch.where(owned, log_p.gather(1, local[:, None]).squeeze(1), 0.0),
+            lse - (log_p.exp() * logits).sum(dim=-1),
+            lse,
+            -log_p.mean(dim=-1),
+        )
+        leaves = ((hidden, wanted.hidden), (weight, wanted.weight), (bias, wanted.bias))
+        inputs = [tensor for tensor, need in leaves if need]
+        upstream = [g.to(out.dtype) for g, out in zip(upstream, outputs, strict=True)]
+        grads = list(torch.autograd.grad(outputs, inputs, upstream, create_graph=True))
+        return Grads(*(grads.pop(0) if need else None for _, need in leaves))
 
     def loss_grads_in_forward(
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
         merge: GlobalMerge,
-        grad_logprob: torch.Tensor,
-        need_hidden: bool,
-        need_weight: bool,
+        wanted: Wanted,
         grad_weight_out: torch.Tensor | None = None,
         chunk_rows: int | None = None,
-    ) -> tuple[ShardStats, torch.Tensor | None, torch.Tensor | None]:
-        """Forward statistics and the gradients of ``sum(grad_logprob * logprobs)`` in one pass.
+    ) -> tuple[ShardStats, Grads]:
+        """Forward statistics and the gradients of a loss known before backward, in one pass.
 
         For a loss whose upstream gradient is known before backward (sum/mean): each chunk's
         logits are computed once (3 GEMMs in all instead of 4). ``merge(stats, rows)`` turns the
-        chunk's shard stats into the global row stats of those rows (TP collectives included).
+        chunk's shard stats into the backward rows of those tokens (TP collectives included).
         ``grad_weight_out``: an fp32 (fp64 for fp64 weights) ``[V_local, H]`` buffer the weight
         gradient is added to (and returned) instead of a new zeroed one. ``chunk_rows``: tokens
         per chunk (default `loss_chunk_rows`); under TP every rank must use the same, since each
         chunk merges its rows over the group (an empty shard merges its empty statistics).
         """
         stats = _empty_stats(hidden, weight)
-        grad_hidden, grad_weight = _grad_buffers(
-            hidden, weight, need_hidden, need_weight and grad_weight_out is None
-        )
-        if need_weight and grad_weight_out is not None:
-            grad_weight = grad_weight_out
+        own_weight = wanted._replace(weight=wanted.weight and grad_weight_out is None)
+        grads = _grad_buffers(hidden, weight, own_weight)
+        if wanted.weight and grad_weight_out is not None:
+            grads = grads._replace(weight=grad_weight_out)
         step = chunk_rows or self.loss_chunk_rows(hidden.shape[0], weight.shape[0], 0)
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         for start in range(0, hidden.shape[0], step):
@@ -148,23 +158,42 @@ class TorchChunkedStages:
             if weight.shape[0] == 0:
                 merge(stats, rows)
                 continue
-            logits = _logits(hidden[rows], weight)
-            e = _chunk_stats(logits, local[rows], owned[rows], stats, rows, temperature)
-            del logits
+            raw = _raw(hidden[rows], weight, bias, logit)
+            slope = cap_slope(raw, logit)
+            e = _chunk_stats(raw, local[rows], owned[rows], stats, rows, logit)
+            del raw
             merged = merge(stats, rows)
             # p = exp(z - m_local) * exp(m_local - M - log_sumexp): one multiply, not another exp.
-            shift = (stats.max[rows] - merged.max) * (1.0 / temperature)
+            shift = (stats.max[rows] - merged.max) * logit.centred_scale
             to_p = torch.exp(shift - merged.log_sumexp)
-            g_lp = grad_logprob[rows].to(e.dtype) / temperature
-            d = e.mul_((-g_lp * to_p)[:, None])
-            _set_target_lane(d, local[rows], owned[rows], g_lp * merged.target_complement)
-            _accumulate(d, hidden, weight, rows, grad_hidden, grad_weight)
-        return stats, grad_hidden, grad_weight
+            scaled = _scaled_rows(merged, logit, e.dtype)
+            d = e.mul_((-scaled.softmax_coef * to_p)[:, None])
+            if logit.label_smoothing > 0:
+                d.add_(scaled.uniform[:, None])
+            _set_target_lane(d, local[rows], owned[rows], scaled.target_grad)
+            _accumulate(d if slope is None else d.mul_(slope), hidden, weight, rows, grads)
+        return stats, grads
 
 
 def default_chunk_size(vocab_local: int) -> int:
     """Tokens per chunk when none is given: about `DEFAULT_CHUNK_ELEMENTS` logits."""
     return max(1, DEFAULT_CHUNK_ELEMENTS // max(vocab_local, 1))
+
+
+def raw_units(logits: torch.Tensor, logit: LogitOptions) -> torch.Tensor:
+    """The raw units ``r`` of `LogitOptions` from ``a + b`` (in place): with a softcap
+    ``tanh(s (a + b) / cap)``, else ``a + b`` itself. Differentiable (for the double backward)."""
+    if logit.softcap is None:
+        return logits
+    return logits.mul_(logit.cap_scale).tanh_()
+
+
+def cap_slope(raw: torch.Tensor, logit: LogitOptions) -> torch.Tensor | None:
+    """The softcap's ``1 - tanh^2 = (1 - r)(1 + r)`` per lane (``dz/da`` over ``s / T``), or None
+    without a cap (slope 1)."""
+    if logit.softcap is None:
+        return None
+    return (1.0 - raw).mul_(1.0 + raw)
 
 
 def _empty_stats(hidden: torch.Tensor, weight: torch.Tensor) -> ShardStats:
@@ -176,25 +205,33 @@ def _empty_stats(hidden: torch.Tensor, weight: torch.Tensor) -> ShardStats:
 
 
 def _grad_buffers(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    need_hidden: bool,
-    need_weight: bool,
-    hidden_in_weight_dtype: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    hidden: torch.Tensor, weight: torch.Tensor, wanted: Wanted, hidden_in_weight_dtype: bool = False
+) -> Grads:
     acc = dict(dtype=accumulation_dtype(weight.dtype), device=hidden.device)
     hidden_dtype = weight.dtype if hidden_in_weight_dtype else acc["dtype"]
-    return (
+    return Grads(
         torch.zeros(hidden.shape, dtype=hidden_dtype, device=hidden.device)
-        if need_hidden
+        if wanted.hidden
         else None,
-        torch.zeros(weight.shape, **acc) if need_weight else None,
+        torch.zeros(weight.shape, **acc) if wanted.weight else None,
+        torch.zeros(weight.shape[0], **acc) if wanted.bias else None,
     )
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Raw dots ``hidden @ weight.T``; the 1/T scale comes after centring (see `ShardStats`)."""
+    """Raw dots ``hidden @ weight.T`` (the GEMM's rounding) in the accumulation dtype."""
     return (hidden @ weight.T).to(accumulation_dtype(weight.dtype))
+
+
+def _raw(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit: LogitOptions
+) -> torch.Tensor:
+    """The lanes' `raw_units` from `_logits` plus the bias (added in the accumulation dtype);
+    the scale comes after centring (see `ShardStats`)."""
+    logits = _logits(hidden, weight)
+    if bias is not None:
+        logits = logits + bias.to(logits.dtype)
+    return raw_units(logits, logit)
 
 
 def _local_targets(
@@ -207,20 +244,22 @@ def _local_targets(
 
 
 def _chunk_stats(
-    logits: torch.Tensor,
+    raw: torch.Tensor,
     local: torch.Tensor,
     owned: torch.Tensor,
     stats: ShardStats,
     rows: slice,
-    temperature: float,
+    logit: LogitOptions,
 ) -> torch.Tensor:
-    """Write the chunk's shard stats into ``stats[rows]``; centres and scales ``logits`` in place
+    """Write the chunk's shard stats into ``stats[rows]``; centres and scales ``raw`` in place
     into ``z - shard max`` and returns its ``exp``."""
-    picked = logits.gather(1, local[:, None]).squeeze(1)
+    picked = raw.gather(1, local[:, None]).squeeze(1)
     stats.target_logit[rows] = torch.where(owned, picked, torch.zeros_like(picked))
-    row_max, max_lane = logits.max(dim=1, keepdim=True)
+    row_max, max_lane = raw.max(dim=1, keepdim=True)
     stats.max[rows] = row_max.squeeze(1)
-    z = _centred(logits, row_max, temperature)
+    z = _centred(raw, row_max, logit.centred_scale)
+    if logit.label_smoothing > 0:
+        stats.sum_centred[rows] = z.sum(dim=1)
     e = torch.exp(z)
     stats.sumexp_z[rows] = (e.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
     # The max lane's exp(0) = 1 leaves the sum by a second pass, not by subtraction (sumexp - 1
@@ -231,28 +270,45 @@ def _chunk_stats(
     return e
 
 
-def _centred(logits: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``(logits - row_max) / T`` in place: the max lane exactly 0, forward and backward alike."""
+def _centred(logits: torch.Tensor, row_max: torch.Tensor, scale: float) -> torch.Tensor:
+    """``(logits - row_max) * scale`` in place: the max lane exactly 0, forward and backward
+    alike."""
     logits.sub_(row_max)
-    if temperature != 1.0:
-        logits.mul_(1.0 / temperature)
+    if scale != 1.0:
+        logits.mul_(scale)
     return logits
 
 
+def _scaled_rows(rows: BackwardRows, logit: LogitOptions, dtype: torch.dtype) -> BackwardRows:
+    """``rows`` with every ``d_z`` coefficient times ``s / T`` (per row, not per lane): ``d_a``
+    then needs only the cap's slope."""
+    scale = logit.dlogit_scale
+    return BackwardRows(
+        *(rows.max, rows.log_sumexp, rows.centred_mean),
+        *(getattr(rows, name).to(dtype) * scale for name in _COEFFICIENTS),
+    )
+
+
+_COEFFICIENTS = ("softmax_coef", "grad_entropy", "target_grad", "uniform")
+
+
 def _chunk_dlogits(
-    logits: torch.Tensor,
+    raw: torch.Tensor,
     rows: BackwardRows,
     local: torch.Tensor,
     owned: torch.Tensor,
-    temperature: float,
+    logit: LogitOptions,
 ) -> torch.Tensor:
-    """``d_logits = d_z / temperature`` of the chunk (see `BackwardRows`), in ``logits``' buffer."""
-    g_lp = rows.grad_logprob[:, None].to(logits.dtype) / temperature
-    g_ent = rows.grad_entropy[:, None].to(logits.dtype) / temperature
-    centred = _centred(logits, rows.max[:, None], temperature)
+    """``d_z * s / T`` of the chunk (see `BackwardRows`) in ``raw``'s buffer; ``d_a`` is this
+    times the cap's slope."""
+    scaled = _scaled_rows(rows, logit, raw.dtype)
+    centred = _centred(raw, rows.max[:, None], logit.centred_scale)
     p = (centred - rows.log_sumexp[:, None]).exp_()
-    d = centred.sub_(rows.centred_mean[:, None]).mul_(g_ent).add_(g_lp).mul_(p).neg_()
-    _set_target_lane(d, local, owned, rows.target_grad.to(logits.dtype) / temperature)
+    d = centred.sub_(rows.centred_mean[:, None]).mul_(scaled.grad_entropy[:, None])
+    d = d.add_(scaled.softmax_coef[:, None]).mul_(p).neg_()
+    if logit.label_smoothing > 0:
+        d.add_(scaled.uniform[:, None])
+    _set_target_lane(d, local, owned, scaled.target_grad)
     return d
 
 
@@ -265,21 +321,18 @@ def _set_target_lane(
 
 
 def _accumulate(
-    d: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    rows: slice,
-    grad_hidden: torch.Tensor | None,
-    grad_weight: torch.Tensor | None,
+    d: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, rows: slice, grads: Grads
 ) -> None:
-    """grad_hidden[rows] = d @ W; grad_weight += d.T @ hidden[rows].
+    """grad_hidden[rows] = d @ W; grad_weight += d.T @ hidden[rows]; grad_bias += sum_t d.
 
     ``d`` is rounded to weight's dtype (the stock path's d_logits); the products are summed in the
     fp32 buffers, so grad_weight is rounded to a low-precision dtype once, at the end, whatever
     the number of chunks (a per-chunk rounding made the error grow with the chunk count).
     """
     d = d.to(weight.dtype)
-    if grad_hidden is not None:
-        mm_into(d, weight, out=grad_hidden[rows])
-    if grad_weight is not None:
-        addmm_(grad_weight, d.T, hidden[rows])
+    if grads.hidden is not None:
+        mm_into(d, weight, out=grads.hidden[rows])
+    if grads.weight is not None:
+        addmm_(grads.weight, d.T, hidden[rows])
+    if grads.bias is not None:
+        grads.bias.add_(d.sum(dim=0, dtype=grads.bias.dtype))

@@ -10,7 +10,8 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from lce.api import TokenOutputs, linear_cross_entropy, token_logprobs
 from lce.megatron.head import check_output_layer, resolve_head, tp_group_of, unsupported_reason
-from lce.megatron.stock import stock_logits, stock_token_outputs
+from lce.megatron.stock import mapped_logits, stock_logits, stock_token_outputs
+from lce.options import LogitOptions
 
 
 class LCEFallbackWarning(UserWarning):
@@ -19,9 +20,16 @@ class LCEFallbackWarning(UserWarning):
 
 @dataclass(frozen=True)
 class FusedOutputOptions:
-    """How to compute; the fields mean what they mean in `lce.token_logprobs`."""
+    """How to compute; the fields mean what they mean in `lce.token_logprobs`.
+
+    ``logit_scale`` and ``softcap`` are the logit map of a model whose trainer applies them
+    (megatron-core 0.16's GPTModel applies neither): both paths apply them, the fused one and the
+    stock fallback, so a fallback never computes other logits than asked.
+    """
 
     temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
     ignore_index: int = -100
     backend: str = "auto"
     chunk_size: int | None = None
@@ -29,6 +37,15 @@ class FusedOutputOptions:
     # `output_layer_loss`) assumes: 1.0 with calculate_per_token_loss and no loss scaling; else
     # the loss scale / (tokens x micro-batches). Any other upstream stays exact, at a recompute.
     assumed_loss_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.logit()  # the values checked as lce checks them, naming the argument
+
+    def logit(self) -> LogitOptions:
+        """The logit map these options ask for."""
+        return LogitOptions(
+            temperature=self.temperature, logit_scale=self.logit_scale, softcap=self.softcap
+        )
 
 
 _WARNED: set[str] = set()
@@ -112,7 +129,7 @@ def _outputs(
     reason = unsupported_reason(output_layer)
     if reason is not None:
         warn_fallback(reason)
-        logits = stock_logits(hidden, output_layer, weight, options.temperature)
+        logits = mapped_logits(stock_logits(hidden, output_layer, weight, 1.0), options.logit())
         _check_sequence(logits, targets)
         out = stock_token_outputs(
             logits, targets, tp_group_of(output_layer), options.ignore_index, with_entropy
@@ -154,9 +171,9 @@ def _fused(
     _check_sequence(hidden, targets)
     common = dict(
         ignore_index=options.ignore_index, temperature=options.temperature,
-        tp_group=head.tp_group, vocab_start=head.vocab_start,
-        reduce_grad_hidden=not head.sequence_parallel, backend=options.backend,
-        chunk_size=options.chunk_size,
+        logit_scale=options.logit_scale, softcap=options.softcap, tp_group=head.tp_group,
+        vocab_start=head.vocab_start, reduce_grad_hidden=not head.sequence_parallel,
+        backend=options.backend, chunk_size=options.chunk_size,
     )  # fmt: skip
     main_grad = None if with_entropy else fused_main_grad(output_layer, head.weight)
     if main_grad is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.tensor_parallel.utils import VocabUtility
 
 
@@ -84,6 +85,13 @@ def check_output_layer(output_layer: torch.nn.Module) -> None:
 def unsupported_reason(output_layer: torch.nn.Module) -> str | None:
     """Why the fused path cannot reproduce a ColumnParallelLinear's stock result, or None."""
     config = output_layer.config
+    if type(output_layer).forward is not ColumnParallelLinear.forward:
+        # e.g. a MuP readout multiplying the logits: what it computes is not lce's to guess.
+        return (
+            f"an output layer whose forward is not ColumnParallelLinear's "
+            f"({type(output_layer).__name__}.forward; pass its logit scale or cap through "
+            "FusedOutputOptions and use ColumnParallelLinear)"
+        )
     if getattr(output_layer, "bias", None) is not None and not output_layer.skip_bias_add:
         return "an output-layer bias added to the logits"
     if getattr(config, "defer_embedding_wgrad_compute", False):

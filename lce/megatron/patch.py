@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatron.core.models.common.language_module.language_module import LanguageModule
 
 from lce.megatron.fused import (
     FusedOutputOptions,
@@ -52,8 +53,10 @@ def patch_gpt_model(
     ``returns="logprobs"``: it returns `lce.TokenOutputs` ``(logprobs, entropy)``, each
     ``[B, S]`` fp32 (for RL losses). Without labels, in inference, or on a stage without the
     output layer the stock forward runs unchanged. ``model`` may be wrapped (DDP,
-    Float16Module): the inner ``GPTModel`` is patched. Multi-token prediction falls back to the
-    stock loss with one warning (an error with ``returns="logprobs"``).
+    Float16Module): the inner ``GPTModel`` is patched. Multi-token prediction and an overridden
+    ``compute_language_model_loss`` fall back to the stock loss with one warning (an error with
+    ``returns="logprobs"``). ``options`` carries the logit map (temperature, logit scale, softcap)
+    both the fused and the fallback paths apply.
     """
     if returns not in RETURNS:
         raise ValueError(f"returns must be one of {RETURNS}, got {returns!r}")
@@ -70,13 +73,13 @@ def patch_gpt_model(
         inference = arguments.get("inference_context") is not None and not gpt.training
         if labels is None or inference or not gpt.post_process:
             return stock(*args, **kwargs)
-        if gpt.config.mtp_num_layers is not None:
+        reason = _unfusable_model(gpt)
+        if reason is not None:
             if returns == "logprobs":
                 raise ValueError(
-                    "returns='logprobs' does not support multi-token prediction "
-                    "(config.mtp_num_layers); use returns='loss' or disable MTP"
+                    f"returns='logprobs' does not support {reason}; use returns='loss' or drop it"
                 )
-            warn_fallback("multi-token prediction (config.mtp_num_layers)")
+            warn_fallback(reason)
             return stock(*args, **kwargs)
         weight = None
         if gpt.share_embeddings_and_output_weights:
@@ -90,6 +93,25 @@ def patch_gpt_model(
     previous = gpt.__dict__.get("_postprocess")
     gpt._postprocess = postprocess
     return FusedOutputPatch(gpt, previous)
+
+
+def _unfusable_model(gpt: torch.nn.Module) -> str | None:
+    """What in the model's own loss step the fused path would skip, or None.
+
+    megatron-core 0.16's ``_postprocess`` applies no logit scale or cap (and its config has none),
+    but a trainer may override ``compute_language_model_loss`` to apply one (a final-logit
+    softcap, as some Gemma ports do): the patch bypasses that method, so it must not run then.
+    """
+    if gpt.config.mtp_num_layers is not None:
+        return "multi-token prediction (config.mtp_num_layers)"
+    method = getattr(gpt, "compute_language_model_loss", None)
+    if getattr(method, "__func__", None) is not LanguageModule.compute_language_model_loss:
+        return (
+            "a compute_language_model_loss override (what it applies to the logits, e.g. a "
+            "softcap, is not visible to lce: pass it through FusedOutputOptions and drop the "
+            "override)"
+        )
+    return None
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -11,6 +11,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from lce.api import TokenOutputs
+from lce.options import LogitOptions
 from lce.validation import check_target_ids
 
 
@@ -24,6 +25,15 @@ def stock_logits(
     sequence-parallel gather and all); the vocab stays sharded."""
     logits, _ = output_layer(hidden, weight=weight, runtime_gather_output=False)
     return logits.float() / temperature
+
+
+def mapped_logits(layer_logits: torch.Tensor, logit: LogitOptions) -> torch.Tensor:
+    """``logit``'s map on the layer's fp32 logits ``a`` (its bias included):
+    ``cap * tanh(s * a / cap) / T``, as lce applies it."""
+    logits = layer_logits * logit.logit_scale
+    if logit.softcap is not None:
+        logits = logit.softcap * torch.tanh(logits / logit.softcap)
+    return logits / logit.temperature
 
 
 def stock_token_outputs(

@@ -17,12 +17,24 @@ from triton.compiler import ASTSource
 
 from lce.backends.triton.backward_kernel import _dlogits_kernel
 from lce.backends.triton.config import GPU_CONFIG, TileShape
-from lce.backends.triton.forward_kernel import _forward_partials_kernel, warp_specialized
+from lce.backends.triton.forward_kernel import (
+    MERGE_BLOCK,
+    _forward_partials_kernel,
+    _merge_partials_kernel,
+    warp_specialized,
+)
+from lce.backends.triton.loss_kernels import BLOCK_V, _row_dlogits_kernel, _row_stats_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 CONSTEXPRS = ("BLOCK_T", "BLOCK_V", "BLOCK_H", "GROUP", "EVEN_H", "BF16_INTERPRETED", "PRECISION",
-              "USE_TMA", "WARP_SPECIALIZE", "V_DIV16", "C_DIV16")  # fmt: skip
+              "USE_TMA", "WARP_SPECIALIZE", "V_DIV16", "C_DIV16", "HAS_BIAS", "SOFTCAP",
+              "SMOOTHING")  # fmt: skip
+FLOATS = ("centred_scale", "cap_scale", "dlogit_scale")
+# The logit map's switches (`lce.options.LogitOptions`): every one off, and every one on (bf16
+# with TMA loads only: the options' code is the same for every dtype and load path, and each
+# compile of a tiled kernel takes ~10-20 s).
+OPTIONS = {"plain": False, "options": True}
 
 
 def argument_type(name: str, tile: TileShape, dtype: str, tma: bool) -> str:
@@ -32,17 +44,18 @@ def argument_type(name: str, tile: TileShape, dtype: str, tma: bool) -> str:
     if name in ("hidden", "weight"):
         rows = tile.block_t if name == "hidden" else tile.block_v
         return f"tensordesc<{dtype}[{rows}, {tile.block_h}]>" if tma else f"*{dtype}"
-    if name == "dlogits_ptr":
+    if name in ("dlogits_ptr", "logits_ptr", "out_ptr", "bias_ptr"):
         return f"*{dtype}"
     if name == "targets_ptr":
         return "*i64"
     if name.endswith("_ptr"):
         return "*fp32"
-    return "fp32" if name == "inv_temp" else "i32"
+    return "fp32" if name in FLOATS else "i32"
 
 
-def shared_bytes(kernel, tile: TileShape, dtype: torch.dtype, tma: bool) -> int:
-    """Bytes of shared memory one program of ``kernel`` takes at ``tile``, compiled for sm_90."""
+def shared_bytes(kernel, tile: TileShape, dtype: torch.dtype, tma: bool, options: bool) -> int:
+    """Bytes of shared memory one program of ``kernel`` takes at ``tile``, compiled for sm_90,
+    with the logit map's ``options`` (bias, softcap, label smoothing) all on or all off."""
     tile = tile.for_dtype(dtype)
     names = kernel.arg_names
     signature = {n: argument_type(n, tile, TRITON_TYPES[dtype], tma) for n in names}
@@ -50,7 +63,8 @@ def shared_bytes(kernel, tile: TileShape, dtype: torch.dtype, tma: bool) -> int:
         "BLOCK_T": tile.block_t, "BLOCK_V": tile.block_v, "BLOCK_H": tile.block_h,
         "GROUP": tile.group, "EVEN_H": True, "BF16_INTERPRETED": False, "PRECISION": "ieee",
         "USE_TMA": tma, "WARP_SPECIALIZE": warp_specialized(GPU_CONFIG, tma),
-        "V_DIV16": True, "C_DIV16": True,
+        "V_DIV16": True, "C_DIV16": True, "HAS_BIAS": options, "SOFTCAP": options,
+        "SMOOTHING": options,
     }  # fmt: skip
     constexprs = {(names.index(n),): v for n, v in values.items() if n in names}
     options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
@@ -64,13 +78,41 @@ def main() -> None:
                          (_dlogits_kernel, GPU_CONFIG.backward)):  # fmt: skip
         for dtype in TRITON_TYPES:
             for tma in (True, False):
-                rows.append({
-                    "kernel": kernel.__name__, "dtype": str(dtype),
-                    "loads": "tma" if tma else "ptr",
-                    "block_h": tile.for_dtype(dtype).block_h,
-                    "shared": shared_bytes(kernel, tile, dtype, tma),
-                })  # fmt: skip
+                for name, options in OPTIONS.items():
+                    if options and (dtype != torch.bfloat16 or not tma):
+                        continue
+                    rows.append({
+                        "kernel": kernel.__name__, "dtype": str(dtype),
+                        "loads": "tma" if tma else "ptr", "options": name,
+                        "block_h": tile.for_dtype(dtype).block_h,
+                        "shared": shared_bytes(kernel, tile, dtype, tma, options),
+                    })  # fmt: skip
+    rows += row_kernel_sizes()
     print(json.dumps(rows))
+
+
+def row_kernel_sizes() -> list[dict]:
+    """The memory-bound kernels (split merge, the 3-GEMM loss's rows), bf16, compiled with the
+    logit map's switches off and on: the interpreter accepts code the compiler rejects."""
+    kernels = (
+        (_merge_partials_kernel, {"BLOCK": MERGE_BLOCK}),
+        (_row_stats_kernel, {"BLOCK_V": BLOCK_V}),
+        (_row_dlogits_kernel, {"BLOCK_V": BLOCK_V, "BF16_INTERPRETED": False}),
+    )
+    rows = []
+    for kernel, values in kernels:
+        names = kernel.arg_names
+        for name, options in OPTIONS.items():
+            switches = {"HAS_BIAS": options, "SOFTCAP": options, "SMOOTHING": options}
+            fixed = {n: v for n, v in {**values, **switches}.items() if n in names}
+            signature = {n: argument_type(n, GPU_CONFIG.forward, "bf16", False) for n in names}
+            signature.update({n: "constexpr" for n in fixed})
+            constexprs = {(names.index(n),): v for n, v in fixed.items()}
+            source = ASTSource(kernel, signature, constexprs)
+            shared = triton.compile(source, target=HOPPER, options={"num_warps": 8}).metadata.shared
+            row = {"kernel": kernel.__name__, "dtype": "torch.bfloat16", "loads": "rows"}
+            rows.append({**row, "options": name, "block_h": 0, "shared": shared})
+    return rows
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lce.backends.triton.loss_kernels import BLOCK_V_INTERPRETED, row_stats_into
+from lce.options import LogitOptions
 
 TEMPERATURE = 0.7
 # fp32 sums of at most ~900 terms, each exp within a few ulp of float64's: relative errors stay
@@ -55,8 +56,9 @@ def test_row_statistics_match_float64(vocab: int) -> None:
     # Compiled on a CUDA host (the suite's conftest interprets only without one), which needs
     # device tensors.
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = torch.full((4, rows), float("nan"), device=device)
-    row_stats_into(logits.to(device), targets.to(device), vocab_start, TEMPERATURE, out)
+    out = torch.full((5, rows), float("nan"), device=device)
+    logit = LogitOptions(temperature=TEMPERATURE)
+    row_stats_into(logits.to(device), None, targets.to(device), vocab_start, logit, out)
     out = out.cpu()
     ref = _reference(logits, targets, vocab_start)
     assert torch.equal(out[0].double(), ref[0])  # the max of bf16 values, exact

@@ -22,10 +22,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from lce.backends import gemm
-from lce.backends.base import BackwardRows
+from lce.backends.base import BackwardRows, Wanted
 from lce.backends.triton import TileShape, TritonConfig, TritonStages, forward_kernel
 from lce.backends.triton import stages as stages_module
 from lce.backends.triton.config import GPU_CONFIG
+from lce.options import LogitOptions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -112,9 +113,10 @@ def reference_rows(hidden, weight, targets, vocab_start, temperature, upstream) 
     return BackwardRows(
         (ref.max * temperature).float(),  # raw dot units, as `ShardStats.max`
         *(s.float() for s in (ref.lse - ref.max, ref.expected - ref.max)),
-        g_lp,
+        g_lp,  # the softmax coefficient: the log-prob's upstream alone
         g_ent,
         torch.where(ref.owned, target_grad, 0.0).float(),
+        torch.zeros_like(g_lp),  # no label smoothing
     )
 
 
@@ -158,7 +160,7 @@ def test_forward_stats_match_float64(shape, dtype):
     num_tokens, hidden_size, vocab, vocab_start, temperature = shape
     hidden, weight, targets = make_case(num_tokens, hidden_size, vocab, vocab_start, dtype, seed=1)
     stats = TritonStages(small_config()).forward_stats(
-        hidden, weight, targets, vocab_start, temperature
+        hidden, weight, None, targets, vocab_start, LogitOptions(temperature=temperature)
     )
     check_stats(stats, hidden, weight, targets, vocab_start, temperature)
 
@@ -168,7 +170,9 @@ def test_forward_peaked_rows_and_large_offsets(dtype):
     """Spread > 88 (exp underflows for all but the max), targets at the max, offset +1e4."""
     hidden, weight, _ = make_case(24, 48, 200, 0, dtype, seed=2, spread=40.0, offset=1e4)
     targets = reference_logits(hidden, weight, 1.0).argmax(dim=1)
-    stats = TritonStages(small_config()).forward_stats(hidden, weight, targets, 0, 1.0)
+    stats = TritonStages(small_config()).forward_stats(
+        hidden, weight, None, targets, 0, LogitOptions()
+    )
     check_stats(stats, hidden, weight, targets, 0, 1.0)
     assert bool((stats.sumexp >= 1).all())  # the max term contributes exp(0) = 1
 
@@ -183,7 +187,9 @@ def test_forward_keeps_tied_max_lanes(dtype):
     weight[[5, 6, 40, 250], -1] = 48.0
     z = reference_logits(hidden, weight, 1.0)
     assert bool((z[:, 5] == z.amax(dim=1)).sum() >= 15)  # most rows have their max there
-    stats = TritonStages(small_config()).forward_stats(hidden, weight, targets, 0, 1.0)
+    stats = TritonStages(small_config()).forward_stats(
+        hidden, weight, None, targets, 0, LogitOptions()
+    )
     check_stats(stats, hidden, weight, targets, 0, 1.0)
 
 
@@ -193,14 +199,16 @@ def test_forward_counts_max_lanes_on_flat_rows(dtype):
     sums (all lanes, lanes below the max) round differently; the max-lane count taken from their
     difference must be rounded, not truncated (truncated: lse off by up to 2)."""
     hidden, weight, targets = make_case(20, 16, 300, 0, dtype, seed=4, spread=0.3)
-    stats = TritonStages(small_config()).forward_stats(hidden, weight, targets, 0, 1.0)
+    stats = TritonStages(small_config()).forward_stats(
+        hidden, weight, None, targets, 0, LogitOptions()
+    )
     check_stats(stats, hidden, weight, targets, 0, 1.0)
 
 
 def test_tf32_option_stays_within_tf32_rounding():
     hidden, weight, targets = make_case(24, 64, 150, 0, torch.float32, seed=10)
     stats = TritonStages(small_config(fp32_precision="tf32")).forward_stats(
-        hidden, weight, targets, 0, 1.0
+        hidden, weight, None, targets, 0, LogitOptions()
     )
     ref_lse = reference_stats(hidden, weight, targets, 0, 1.0).lse
     lse = stats.max.double() + torch.log(stats.sumexp.double())
@@ -239,10 +247,12 @@ def strided_upstream(targets, seed, expanded_entropy):
 
 def run_backward(stages, hidden, weight, targets, vocab_start, temperature, upstream, **need):
     rows = reference_rows(hidden, weight, targets, vocab_start, temperature, upstream)
-    return stages.backward_grads(
-        hidden, weight, targets, vocab_start, temperature, rows,
-        need.get("need_hidden", True), need.get("need_weight", True),
+    wanted = Wanted(need.get("need_hidden", True), need.get("need_weight", True))
+    grads = stages.backward_grads(
+        hidden, weight, None, targets, vocab_start, LogitOptions(temperature=temperature), rows,
+        wanted,
     )  # fmt: skip
+    return grads.hidden, grads.weight
 
 
 # Floor of the gradient check: relative fp32 error of recomputed logits (accumulation_tol is
@@ -295,8 +305,8 @@ def test_backward_dlogits_inside_grad_weight(dtype):
     assert inside[0] and not inside[-1] and inside == sorted(inside, reverse=True)
     assert [c.stop - c.start for c, _ in chunks] == [192, 192, 128, 64, 64, 60]
     rows = reference_rows(hidden, weight, targets, 0, 1.0, upstream)
-    grad_hidden, grad_weight = TritonStages(config).backward_grads(
-        hidden, weight, targets, 0, 1.0, rows, True, True, dtype
+    grad_hidden, grad_weight, _ = TritonStages(config).backward_grads(
+        hidden, weight, None, targets, 0, LogitOptions(), rows, Wanted(True, True), dtype
     )
     assert grad_hidden.dtype == grad_weight.dtype == dtype
     ref = reference_grads(hidden, weight, targets, 0, 1.0, upstream)
@@ -396,13 +406,13 @@ def test_empty_tokens_or_shard(num_tokens, vocab):
     hidden, weight, targets = make_case(max(num_tokens, 1), 16, max(vocab, 1), 0, torch.float32, 7)
     hidden, weight, targets = hidden[:num_tokens], weight[:vocab], targets[:num_tokens]
     stages = TritonStages(small_config())
-    stats = stages.forward_stats(hidden, weight, targets, 0, 1.0)
+    stats = stages.forward_stats(hidden, weight, None, targets, 0, LogitOptions())
     assert stats.max.shape == (num_tokens,) and bool((stats.max == float("-inf")).all()) == (
         vocab == 0 or num_tokens == 0
     )
     rows = BackwardRows(*torch.zeros(len(fields(BackwardRows)), num_tokens, device=DEVICE))
-    grad_hidden, grad_weight = stages.backward_grads(
-        hidden, weight, targets, 0, 1.0, rows, need_hidden=True, need_weight=True
+    grad_hidden, grad_weight, _ = stages.backward_grads(
+        hidden, weight, None, targets, 0, LogitOptions(), rows, Wanted(True, True)
     )
     assert not grad_hidden.any() and not grad_weight.any()
     assert grad_weight.shape == weight.shape
@@ -413,12 +423,14 @@ def test_pointer_loads_match_tma_and_strided_hidden(dtype):
     """Both load paths, and a column-major hidden (pointer loads), give the same statistics."""
     hidden, weight, targets = make_case(24, 48, 150, 0, dtype, seed=8)
     transposed = hidden.T.contiguous().T  # same values, column-major strides
-    tma = TritonStages(small_config()).forward_stats(hidden, weight, targets, 0, 1.0)
+    tma = TritonStages(small_config()).forward_stats(
+        hidden, weight, None, targets, 0, LogitOptions()
+    )
     pointers = TritonStages(small_config(use_tma=False))
     tol = accumulation_tol(hidden, weight, 1.0)  # the paths may sum H in another order on GPU
     for other in (
-        pointers.forward_stats(hidden, weight, targets, 0, 1.0),
-        pointers.forward_stats(transposed, weight, targets, 0, 1.0),
+        pointers.forward_stats(hidden, weight, None, targets, 0, LogitOptions()),
+        pointers.forward_stats(transposed, weight, None, targets, 0, LogitOptions()),
     ):
         torch.testing.assert_close(other.max, tma.max, atol=tol, rtol=0)
         torch.testing.assert_close(other.target_logit, tma.target_logit, atol=tol, rtol=0)
@@ -433,7 +445,7 @@ def test_persistent_forward_matches_one_program_per_item(use_tma):
     hidden, weight, targets = make_case(100, 48, 300, 0, torch.bfloat16, seed=12)
     stats = [
         TritonStages(small_config(persistent=persistent, use_tma=use_tma)).forward_stats(
-            hidden, weight, targets, 0, 0.7
+            hidden, weight, None, targets, 0, LogitOptions(temperature=0.7)
         )
         for persistent in (True, False)
     ]
@@ -444,30 +456,36 @@ def test_persistent_forward_matches_one_program_per_item(use_tma):
 def test_merge_partials_rescales_each_split_and_skips_unseen_ones():
     """float64 merge of hand-made partials: split 2 saw nothing on 30 rows, rows 0-4 saw nothing;
     rows 50-59 have two splits tied at the max (one keeps its max lane's 1 out of the sum). The
-    maxima are raw dots: their differences are scaled by 1/T = 1/0.7 before the exp."""
+    maxima are raw dots: their differences are scaled by 1/T = 1/0.7 before the exp. Each split's
+    centred sum of the logits (label smoothing) moves by its column count (40; the last 17)
+    times that shift."""
     gen = torch.Generator().manual_seed(13)
-    partials = torch.randn(4, 7, 100, generator=gen)
+    partials = torch.randn(5, 7, 100, generator=gen)
     partials[0] *= 5
     partials[0, 3, 50:60] = partials[0, :, 50:60].amax(0)
     partials[1] = partials[1].abs() + 0.1
     partials[0, 2, :30] = partials[0, :, :5] = float("-inf")
     partials[1:, 2, :30] = partials[1:, :, :5] = 0.0
-    got = forward_kernel.merge_partials(partials.to(DEVICE), 0.7)
-    split_max, nonmax, sumexp_z, target = partials.double().unbind(0)
+    logit = LogitOptions(temperature=0.7, label_smoothing=0.1)
+    got = forward_kernel.merge_partials(partials.to(DEVICE), logit, 6 * 40 + 17, 40)
+    split_max, nonmax, sumexp_z, target, sum_centred = partials.double().unbind(0)
     row_max = split_max.amax(0)
     seen = split_max > float("-inf")
     shift = torch.where(seen, (split_max - row_max.clamp(min=-1e300)) / 0.7, 0.0)
     scale = torch.where(seen, shift.exp(), 0.0)
     sumexp = torch.where(seen, 1 + nonmax, 0.0)
+    columns = torch.tensor([40.0] * 6 + [17.0], dtype=torch.float64)[:, None]
     expected = {
         "max": row_max,
         "sumexp_nonmax": (scale * sumexp).sum(0) - 1,
         "sumexp_z": (scale * (sumexp_z + shift * sumexp)).sum(0),
         "target_logit": target.sum(0),
+        "sum_centred": torch.where(seen, sum_centred + columns * shift, 0.0).sum(0),
     }
     for name, want in expected.items():
-        # fp32 sums of 7 terms of magnitude <= ~50: a few ulps of 50.
-        torch.testing.assert_close(getattr(got, name).double().cpu(), want, rtol=1e-5, atol=1e-5)
+        # fp32 sums of 7 terms of magnitude <= ~50 (the centred sums ~2000): a few ulps of them.
+        atol = 1e-5 * max(50.0, want.abs().max().item())
+        torch.testing.assert_close(getattr(got, name).double().cpu(), want, rtol=1e-5, atol=atol)
     assert bool((got.max[:5] == float("-inf")).all()) and not got.sumexp[:5].any()
 
 
@@ -475,9 +493,9 @@ def test_bad_operands_raise_clear_errors():
     hidden, weight, targets = make_case(4, 16, 20, 0, torch.float32, seed=9)
     stages = TritonStages(small_config())
     with pytest.raises(ValueError, match="hidden"):
-        stages.forward_stats(hidden.half(), weight, targets, 0, 1.0)
+        stages.forward_stats(hidden.half(), weight, None, targets, 0, LogitOptions())
     with pytest.raises(ValueError, match="targets"):
-        stages.forward_stats(hidden, weight, targets.int(), 0, 1.0)
+        stages.forward_stats(hidden, weight, None, targets.int(), 0, LogitOptions())
     with pytest.raises(ValueError, match="block_v"):
         TileShape(block_t=32, block_v=48, block_h=32)
     with pytest.raises(ValueError, match="fp32_precision"):

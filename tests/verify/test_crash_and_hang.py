@@ -22,7 +22,7 @@ from verify.running.search import trigger
 
 pytest_plugins = ["pytester"]
 
-BUDGET_S = 40.0
+BUDGET_S = 120.0  # two slices (TP 1 and 2) share it; the search ends before (--max-examples)
 DEADLINE_S = 2.0  # fixed: the kernels' healthy cases take milliseconds
 # Past budget + deadline: the pool's start, the report, the process's exit (seconds each on a
 # loaded 2-core machine).
@@ -37,31 +37,34 @@ def _verify(*argv: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("impl", sorted(KINDS))
-def test_a_hang_or_a_crash_is_a_finding_that_replays(impl: str, tp: int, tmp_path: Path) -> None:
+def test_a_hang_or_a_crash_is_a_finding_that_replays(impl: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = _verify(
-        "run", "--impl", f"tests.helpers.misbehaving_impl:{impl}", "--tp", str(tp),
+        "run", "--impl", f"tests.helpers.misbehaving_impl:{impl}", "--tp", "1,2",
         "--budget-s", str(BUDGET_S), "--example-deadline-s", str(DEADLINE_S),
-        "--properties", PROPERTIES, "--out", str(out),
+        "--properties", PROPERTIES, "--max-examples", "5", "--out", str(out),
         timeout=BUDGET_S + DEADLINE_S + SLACK_S + 60,
     )  # fmt: skip
     assert done.returncode == EXIT_FAIL, done.stdout + done.stderr
     doc = json.loads((out / "report.json").read_text())
     assert doc["wall_s"] <= BUDGET_S + DEADLINE_S + SLACK_S, doc["wall_s"]
     assert doc["errors"] == [], doc["errors"]  # the implementation's fault, not the machine's
-    (finding,) = [f for f in doc["failures"] if f["tier"] == KINDS[impl]]
-    assert finding["tp"] == tp and finding["output"] == "process"
-    record = json.loads(Path(finding["artifact"]).read_text())
-    assert record["impl"].endswith(impl)
-    # Found on a pairwise covering row with T = 0 (a planned example, which Hypothesis does not
-    # shrink) and reduced: every field but the sizes at its simplest, what the fault needs.
-    spec = CaseSpec.from_json(json.dumps(record["spec"]))
-    assert trigger(resolve(f"tests.helpers.misbehaving_impl:{impl}"), spec) == {"tokens": 0}
+    findings = {f["tp"]: f for f in doc["failures"] if f["tier"] == KINDS[impl]}
+    assert sorted(findings) == [1, 2], doc["failures"]  # each slice found it, and went on
+    adapter = resolve(f"tests.helpers.misbehaving_impl:{impl}")
+    for tp, finding in findings.items():
+        assert finding["output"] == "process"
+        record = json.loads(Path(finding["artifact"]).read_text())
+        assert record["spec"]["tokens"] == 0 and record["spec"]["tp"] == tp
+        assert record["impl"].endswith(impl)
+        # Found on a pairwise covering row with T = 0 (a planned example, which Hypothesis does
+        # not shrink) or a generated one, and reduced: every other field at its simplest.
+        spec = CaseSpec.from_json(json.dumps(record["spec"]))
+        assert trigger(adapter, spec.with_(tp=1)) == {"tokens": 0}
     ran = {row["property"] for row in doc["counts"] if row["examples"] > 1}
     assert set(PROPERTIES.split(",")) <= ran  # the other cases and properties still ran
-    replayed = _verify("replay", finding["artifact"], timeout=120)
+    replayed = _verify("replay", findings[2]["artifact"], timeout=120)
     assert replayed.returncode == EXIT_FAIL  # the implementation fails the case, as recorded
     assert f"{KINDS[impl]} reproduced in a worker process: yes" in replayed.stdout
 
@@ -73,7 +76,7 @@ def test_the_pytest_plugin_reports_a_crash(pytester: pytest.Pytester) -> None:
         f"    lce_verify(properties={PROPERTIES.split(',')!r}, example_deadline_s={DEADLINE_S})\n"
     )
     impl = "tests.helpers.misbehaving_impl:aborts"
-    argv = ["--lce-impl", impl, "--lce-tp", "1,2", "--lce-minutes", str(BUDGET_S / 60)]
+    argv = ["--lce-impl", impl, "--lce-max-examples", "3", "--lce-minutes", str(BUDGET_S / 120)]
     result = pytester.runpytest_inprocess(*argv, "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*differential FAILED on process [[]crash[]]*artifact=*"])

@@ -7,7 +7,6 @@ at once on different slots. The driver never waits past a slot's deadline.
 from __future__ import annotations
 
 import pickle
-import subprocess
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -147,10 +146,8 @@ class Dispatch:
         )
 
     def _died(self, rank: int) -> WorkerDied:
-        try:
-            exit_code = self.workers[rank].process.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:  # closed its channel but lives on: exit code unknown
-            exit_code = None
+        # None: closed its channel but lives on, exit code unknown
+        exit_code = self.workers[rank].wait(timeout=5.0)
         index = self.slot_of[rank].index
         if index is None:  # an idle worker died
             return WorkerDied(rank=rank, exit_code=exit_code, job=None, payload=None)

@@ -183,7 +183,7 @@ def _await_ready(workers: list[processes.WorkerProcess], timeout_s: float) -> No
             try:
                 message = worker.channel.recv()
             except (EOFError, OSError):
-                code = worker.process.wait()
+                code = worker.wait()
                 raise WorkerDied(rank=worker.rank, exit_code=code, job=None, payload=None) from None
             if not isinstance(message, Ready):
                 text = f"rank {worker.rank} sent {message!r} before Ready"

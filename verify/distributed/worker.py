@@ -1,12 +1,12 @@
 """A worker rank: join the world, then serve job requests until told to stop.
 
-Started by a local pool (`main`, one process per rank) and, under torchrun, by
+Started by a local pool (`run`, one process per rank, forked by its fork server) and, under
+torchrun, by
 `verify.distributed.launch` on every rank but the driver; both end in `serve`.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib
 import os
@@ -122,11 +122,21 @@ def _watch_parent(parent_pid: int, store_dir: str) -> None:
     """Leave when the driver is gone, even while a collective hangs (no orphans)."""
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while _alive(parent_pid):
             time.sleep(0.5)
         _driver_gone(store_dir)
 
     threading.Thread(target=watch, name="lce-parent-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (a reused pid): still someone's
+        return True
+    return True
 
 
 def _driver_gone(store_dir: str) -> None:
@@ -135,24 +145,32 @@ def _driver_gone(store_dir: str) -> None:
     os._exit(70)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry of a local-pool worker; arguments come from `verify.distributed.pool`."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
-    parser.add_argument("--threads", type=int, required=True)
-    parser.add_argument("--preload", default="")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What a local-pool worker is started with (`verify.distributed.processes.spawn`)."""
+
+    parent_pid: int
+    rank: int
+    world_size: int
+    store: str
+    device: str
+    threads: int
+    preload: tuple[str, ...]
+    environment: dict[str, str]  # the driver's, at the worker's start
+
+
+def run(conn: Connection, args: WorkerArgs) -> None:
+    """Entry of a local-pool worker, forked by the pool's fork server: become a session of its own
+    (the pool kills the whole group), take the driver's environment, join the world, serve."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(args.environment)
     store_dir = os.path.dirname(args.store)
     _watch_parent(args.parent_pid, store_dir)
     start = time.perf_counter()
     torch.set_num_threads(args.threads)
-    channel = PipeChannel(Connection(args.fd))
-    for module in filter(None, args.preload.split(",")):
+    channel = PipeChannel(conn)
+    for module in args.preload:
         importlib.import_module(module)
     store = rendezvous.file_store(args.store, args.world_size)
     topology = rendezvous.join(store, args.rank, args.world_size, args.device, args.rank)

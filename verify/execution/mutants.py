@@ -19,7 +19,11 @@ import lce.api
 import lce.autograd
 import lce.backends.torch_chunked as torch_chunked
 import lce.grad_buffer
-from lce.backends.base import ShardStats, select_rows
+import lce.loss_pass
+import lce.loss_terms
+import lce.tp
+from lce.backends.base import Grads, ShardStats, select_rows
+from lce.options import LogitOptions
 
 PAD_LANES = 16  # padded-lanes mutant: shards padded to a multiple of this many vocab lanes
 WRAP_LIMIT = 1 << 9  # int32-wrap mutant: offsets row * V_local wrap at 2^9 instead of 2^31
@@ -53,25 +57,25 @@ class MutantStages:
             return getattr(self.inner, name)
         raise AttributeError(name)
 
-    def forward_stats(self, hidden, weight, targets, vocab_start, temperature) -> ShardStats:
-        stats = self.inner.forward_stats(hidden, weight, targets, vocab_start, temperature)
-        return self.bend_stats(stats, weight.shape[0], temperature)
+    def forward_stats(self, hidden, weight, bias, targets, vocab_start, logit) -> ShardStats:
+        stats = self.inner.forward_stats(hidden, weight, bias, targets, vocab_start, logit)
+        return self.bend_stats(stats, weight.shape[0], logit)
 
-    def bend_stats(self, stats: ShardStats, vocab_local: int, temperature: float) -> ShardStats:
+    def bend_stats(self, stats: ShardStats, vocab_local: int, logit) -> ShardStats:
         return stats
 
-    def backward_grads(self, hidden, weight, targets, vocab_start, temperature, *rest):
-        return self.inner.backward_grads(hidden, weight, targets, vocab_start, temperature, *rest)
+    def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, *rest):
+        return self.inner.backward_grads(hidden, weight, bias, targets, vocab_start, logit, *rest)
 
     def loss_grads_in_forward(self, *args):
         # The planted bugs bend the two 4-GEMM stages; the 3-GEMM loss paths run unbent.
         return self.inner.loss_grads_in_forward(*args)
 
 
-def _recentre(stats: ShardStats, new_max: torch.Tensor, temperature: float) -> ShardStats:
-    """``stats`` re-centred on ``new_max`` (raw dot units, as `ShardStats.max`) in their own dtype
-    (so lanes underflow exactly as a kernel computing ``exp((a - new_max) / T)`` would)."""
-    shift = (stats.max - new_max) / temperature
+def _recentre(stats: ShardStats, new_max: torch.Tensor, logit) -> ShardStats:
+    """``stats`` re-centred on ``new_max`` (raw units, as `ShardStats.max`) in their own dtype
+    (so lanes underflow exactly as a kernel computing ``exp(k (r - new_max))`` would)."""
+    shift = (stats.max - new_max) * logit.centred_scale
     scale = torch.exp(shift)
     return replace(
         stats,
@@ -83,18 +87,18 @@ def _recentre(stats: ShardStats, new_max: torch.Tensor, temperature: float) -> S
 
 
 class MaxStartsAtZero(MutantStages):
-    def bend_stats(self, stats, vocab_local, temperature):
-        return _recentre(stats, stats.max.clamp_min(0.0), temperature)
+    def bend_stats(self, stats, vocab_local, logit):
+        return _recentre(stats, stats.max.clamp_min(0.0), logit)
 
 
 class PaddedLanesZero(MutantStages):
-    def bend_stats(self, stats, vocab_local, temperature):
+    def bend_stats(self, stats, vocab_local, logit):
         pad = -vocab_local % PAD_LANES
         if pad == 0:
             return stats
         # pad lanes hold logit 0, not -inf
-        stats = _recentre(stats, stats.max.clamp_min(0.0), temperature)
-        centred = -stats.max / temperature  # a pad lane's z - max z
+        stats = _recentre(stats, stats.max.clamp_min(0.0), logit)
+        centred = -stats.max * logit.centred_scale  # a pad lane's z - max z
         lanes = pad * torch.exp(centred)
         return replace(
             stats,
@@ -104,9 +108,9 @@ class PaddedLanesZero(MutantStages):
 
 
 class EntropyWithoutTemperature(MutantStages):
-    def bend_stats(self, stats, vocab_local, temperature):
+    def bend_stats(self, stats, vocab_local, logit):
         # sum exp(z - m) (z - m) taken over raw logits: every centred logit is T times too big.
-        return replace(stats, sumexp_z=stats.sumexp_z * temperature)
+        return replace(stats, sumexp_z=stats.sumexp_z * logit.temperature)
 
 
 def _rows(fn):
@@ -114,13 +118,13 @@ def _rows(fn):
     to bend the upstream gradients before the real backward."""
 
     class Bent(MutantStages):
-        def backward_grads(self, hidden, weight, targets, vocab_start, temperature, rows, *need):
+        def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, rows, *need):
             g_lp, g_ent = fn(
-                rows.grad_logprob, rows.grad_entropy, targets, vocab_start, weight.shape[0]
+                rows.softmax_coef, rows.grad_entropy, targets, vocab_start, weight.shape[0]
             )
-            bent = replace(rows, grad_logprob=g_lp, grad_entropy=g_ent)
+            bent = replace(rows, softmax_coef=g_lp, grad_entropy=g_ent)
             return self.inner.backward_grads(
-                hidden, weight, targets, vocab_start, temperature, bent, *need
+                hidden, weight, bias, targets, vocab_start, logit, bent, *need
             )
 
     return Bent
@@ -154,27 +158,117 @@ class Int32Wrap(MutantStages):
 class Bf16GradWeight(MutantStages):
     """grad_weight accumulated chunk by chunk in a bf16 buffer."""
 
-    def backward_grads(self, hidden, weight, targets, vocab_start, temperature, rows, *need):
-        need_h, need_w, *grad_hidden_dtype = need
+    def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, rows, wanted, *dt):
         device = hidden.device
         grad_hidden = (
-            torch.zeros(hidden.shape, dtype=torch.float32, device=device) if need_h else None
+            torch.zeros(hidden.shape, dtype=torch.float32, device=device) if wanted.hidden else None
         )
         grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.bfloat16, device=device) if need_w else None
+            torch.zeros(weight.shape, dtype=torch.bfloat16, device=device)
+            if wanted.weight
+            else None
         )
+        grad_bias = torch.zeros(weight.shape[0], device=device) if wanted.bias else None
         for start in range(0, hidden.shape[0], BUGGY_CHUNK):
             r = slice(start, start + BUGGY_CHUNK)
-            gh, gw = self.inner.backward_grads(
-                hidden[r], weight, targets[r], vocab_start, temperature,
-                select_rows(rows, r), need_h, need_w, *grad_hidden_dtype,
+            gh, gw, gb = self.inner.backward_grads(
+                hidden[r], weight, bias, targets[r], vocab_start, logit,
+                select_rows(rows, r), wanted, *dt,
             )  # fmt: skip
             if gh is not None:
                 grad_hidden = grad_hidden.to(gh.dtype)
                 grad_hidden[r] = gh
             if gw is not None:
                 grad_weight += gw.to(torch.bfloat16)
-        return grad_hidden, None if grad_weight is None else grad_weight.float()
+            if gb is not None:
+                grad_bias += gb.float()
+        return Grads(grad_hidden, None if grad_weight is None else grad_weight.float(), grad_bias)
+
+
+class BiasGradDropped(MutantStages):
+    """The bias enters the logits but its gradient comes back zero (the head's bias frozen)."""
+
+    def backward_grads(self, *args):
+        grads = self.inner.backward_grads(*args)
+        if grads.bias is None:
+            return grads
+        return grads._replace(bias=torch.zeros_like(grads.bias))
+
+
+def _cap_after_temperature() -> contextlib.AbstractContextManager:
+    """The softcap bends ``s a / T`` (``cap tanh(s a / (T cap))``), not ``s a``: the map's order
+    swapped, as ports that fold the temperature into the logits before the cap compute."""
+    stack = contextlib.ExitStack()
+    cap_scale = property(lambda o: o.logit_scale / (o.temperature * (o.softcap or 1.0)))
+    centred = property(
+        lambda o: o.softcap if o.softcap is not None else o.logit_scale / o.temperature
+    )
+    stack.enter_context(mock.patch.object(LogitOptions, "cap_scale", cap_scale))
+    stack.enter_context(mock.patch.object(LogitOptions, "centred_scale", centred))
+    return stack
+
+
+def _smoothing_without_complement(logprob, lse, smooth, logit):
+    """``-log p_y + eps smooth``: the target's weight left at 1 instead of ``1 - eps``."""
+    loss, z_term = _ORIGINAL_TOKEN_LOSS(logprob, lse, smooth, logit)
+    eps = logit.label_smoothing
+    return (loss - eps * logprob if eps else loss), z_term
+
+
+def _smoothing_upstream_without_complement(grad_loss, lse, logit):
+    upstream = _ORIGINAL_LOSS_UPSTREAM(grad_loss, lse, logit)
+    eps = logit.label_smoothing
+    return upstream._replace(logprob=upstream.logprob - eps * grad_loss) if eps else upstream
+
+
+def _patch_loss_terms(token_loss, loss_upstream) -> Callable[[], contextlib.AbstractContextManager]:
+    """Replace the loss formula and its derivative wherever lce imported them."""
+
+    def patch() -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for module in (lce.api, lce.loss_pass):
+            if hasattr(module, "token_loss"):
+                stack.enter_context(mock.patch.object(module, "token_loss", token_loss))
+            if hasattr(module, "loss_upstream"):
+                stack.enter_context(mock.patch.object(module, "loss_upstream", loss_upstream))
+        return stack
+
+    return patch
+
+
+def _z_term_detached(logprob, lse, smooth, logit):
+    """The z-loss is in the loss value, but its gradient ``2 c lse`` never reaches the logits."""
+    loss, z_term = _ORIGINAL_TOKEN_LOSS(logprob, lse, smooth, logit)
+    if z_term is None:
+        return loss, z_term
+    return loss - z_term + z_term.detach(), z_term
+
+
+def _z_upstream_dropped(grad_loss, lse, logit):
+    return _ORIGINAL_LOSS_UPSTREAM(grad_loss, lse, replace(logit, z_loss=0.0))
+
+
+def _smoothing_over_local_vocab(stats, target_owned, shard, logit):
+    """Each rank's label smoothing averages its own shard's logits, not the whole vocabulary's."""
+    merged = _ORIGINAL_MERGE(stats, target_owned, shard, logit)
+    if logit.label_smoothing == 0 or shard.group is None or shard.vocab_local == 0:
+        return merged
+    shift = (stats.max - merged.max) * logit.centred_scale
+    local_mean = (stats.sum_centred + shard.vocab_local * shift) / shard.vocab_local
+    return replace(merged, mean_centred=local_mean, inv_vocab=torch.full_like(local_mean,
+                   1.0 / shard.vocab_local))  # fmt: skip
+
+
+def _patch_merge(merge) -> Callable[[], contextlib.AbstractContextManager]:
+    """Replace the TP merge of the shard statistics wherever lce imported it."""
+
+    def patch() -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for module in (lce.autograd, lce.loss_pass):
+            stack.enter_context(mock.patch.object(module, "merge_stats", merge))
+        return stack
+
+    return patch
 
 
 def _wrap_stages(cls) -> Callable[[], contextlib.AbstractContextManager]:
@@ -195,16 +289,16 @@ def _mean_over_all_rows(hidden, weight, targets, *, reduction="mean", **kwargs):
     return loss / targets.numel() if reduction == "mean" else loss
 
 
-def _ignored_not_zeroed(hidden, weight, targets, plan):
+def _ignored_not_zeroed(hidden, weight, bias, targets, plan):
     clamped = torch.where(targets == plan.options.ignore_index, 0, targets)  # read as id 0
-    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, clamped, plan)
+    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, bias, clamped, plan)
 
 
-def _cast_in_place(hidden, weight, targets, plan):
+def _cast_in_place(hidden, weight, bias, targets, plan):
     if hidden.dtype != weight.dtype:
         with torch.no_grad():
             hidden.copy_(hidden.to(weight.dtype))  # the matmul cast, done on the caller's tensor
-    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, targets, plan)
+    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, bias, targets, plan)
 
 
 def _scaled_in_input_dtype(grad, factor, dtype):
@@ -226,21 +320,21 @@ class PartialsRounded(MutantStages):
     (bf16 in a bf16 model) before the TP sum (4-GEMM backward; `_loss_pass_partials_rounded`
     bends the 3-GEMM loss pass alike)."""
 
-    def backward_grads(self, hidden, weight, targets, vocab_start, temperature, rows, *need):
-        grad_hidden, grad_weight = super().backward_grads(
-            hidden, weight, targets, vocab_start, temperature, rows, *need
-        )
-        summed_later = len(need) < 3 or need[2] is None  # fp32 partial for the TP sum
-        if grad_hidden is not None and summed_later and grad_hidden.dtype != weight.dtype:
-            grad_hidden = grad_hidden.to(weight.dtype).to(grad_hidden.dtype)
-        return grad_hidden, grad_weight
+    def backward_grads(self, *args, **kwargs):
+        grads = self.inner.backward_grads(*args, **kwargs)
+        weight = args[1]
+        # grad_hidden in fp32 is a partial for the TP sum (in the output's dtype: summed no more)
+        if grads.hidden is not None and grads.hidden.dtype != weight.dtype:
+            grads = grads._replace(hidden=grads.hidden.to(weight.dtype).to(grads.hidden.dtype))
+        return grads
 
 
 def _loss_pass_partials_rounded(loss_pass):
-    def rounded(stages, hidden, weight, targets, shard, *rest, **options):
-        out = loss_pass(stages, hidden, weight, targets, shard, *rest, **options)
-        if out.grad_hidden is not None and shard.group is not None:
-            out.grad_hidden.copy_(out.grad_hidden.to(weight.dtype))
+    def rounded(stages, hidden, weight, bias, targets, shard, *rest, **options):
+        out = loss_pass(stages, hidden, weight, bias, targets, shard, *rest, **options)
+        partial = out.grads.hidden
+        if partial is not None and shard.group is not None:
+            partial.copy_(partial.to(weight.dtype))
         return out
 
     return rounded
@@ -258,6 +352,9 @@ def _round_tp_partials() -> Iterator[None]:
 
 _ORIGINAL_LCE = lce.api.linear_cross_entropy
 _ORIGINAL_TOKEN_OUTPUTS = lce.api._token_outputs
+_ORIGINAL_TOKEN_LOSS = lce.loss_terms.token_loss
+_ORIGINAL_LOSS_UPSTREAM = lce.loss_terms.loss_upstream
+_ORIGINAL_MERGE = lce.tp.merge_stats
 
 
 @contextlib.contextmanager
@@ -304,6 +401,20 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("saved_grads_scaled_in_place",
                "fast loss: backward scales its saved gradients in place (twice on a 2nd backward)",
                lambda: mock.patch.object(lce.autograd, "scaled_copy", _scaled_in_place)),
+        # Model options (`lce.LogitOptions`): each mutant bends one option the way ports get it
+        # wrong; it changes nothing on a case without that option.
+        Mutant("cap_after_temperature", "softcap applied to s*a/T instead of s*a (order swapped)",
+               _cap_after_temperature),
+        Mutant("bias_grad_dropped", "the bias shapes the logits but gets a zero gradient",
+               _wrap_stages(BiasGradDropped)),
+        Mutant("smoothing_without_complement", "label smoothing adds eps*smooth to the full "
+               "-log p_y (target weight 1, not 1 - eps)",
+               _patch_loss_terms(_smoothing_without_complement,
+                                 _smoothing_upstream_without_complement)),
+        Mutant("z_loss_without_gradient", "z-loss in the loss value, its gradient dropped",
+               _patch_loss_terms(_z_term_detached, _z_upstream_dropped)),
+        Mutant("smoothing_over_local_vocab", "label smoothing's mean over this rank's shard only",
+               _patch_merge(_smoothing_over_local_vocab), min_tp=2),
     )
 }  # fmt: skip
 

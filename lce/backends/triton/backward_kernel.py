@@ -1,7 +1,8 @@
 """Backward stage, part 1: recompute a ``[T, chunk]`` logits block and write its d_logits.
 
-``d_z = g_lp * (onehot - p) - g_ent * p * (z - E[z])`` in fp32 as `BackwardRows` spells it out
-(centred on the row max; the target lane's value given per token), ``d_logits = d_z / temp``,
+``d_z = -p * (softmax_coef + g_ent * (z - E[z])) + uniform`` in fp32 as `BackwardRows` spells it
+out (centred on the row max; the target lane's value given per token), ``d_a = d_z * dz/da``
+(``s / T`` times the softcap's slope, `tiles.logit_map`),
 stored once in the weight's dtype so the two gradient GEMMs (`stages`) run on tensor cores. The
 buffer is one vocab chunk, never ``[T, V]`` unless V fits the chunk budget.
 """
@@ -14,8 +15,15 @@ import triton.language as tl
 
 from lce.backends.base import BackwardRows
 from lce.backends.triton.config import TritonConfig
-from lce.backends.triton.operands import operand_args
-from lce.backends.triton.tiles import grouped_tile, logits_tile, logits_tile_tma, round_bf16_rne
+from lce.backends.triton.operands import map_args, operand_args
+from lce.backends.triton.tiles import (
+    grouped_tile,
+    logit_map,
+    logits_tile,
+    logits_tile_tma,
+    round_bf16_rne,
+)
+from lce.options import LogitOptions
 
 
 # Specialized as in forward_kernel._forward_partials_kernel: H, the operands' strides and alignment,
@@ -25,31 +33,35 @@ from lce.backends.triton.tiles import grouped_tile, logits_tile, logits_tile_tma
 @triton.jit(
     do_not_specialize=["T", "C", "chunk_start"],
     do_not_specialize_on_alignment=[
-        "targets_ptr", "max_ptr", "log_sumexp_ptr", "centred_mean_ptr", "grad_logprob_ptr",
-        "grad_entropy_ptr", "target_grad_ptr",
+        "bias_ptr", "targets_ptr", "max_ptr", "log_sumexp_ptr", "centred_mean_ptr",
+        "softmax_coef_ptr", "grad_entropy_ptr", "target_grad_ptr", "uniform_ptr",
     ],
 )  # fmt: skip
 def _dlogits_kernel(
     hidden,
     weight,
+    bias_ptr,
     targets_ptr,
     max_ptr,
     log_sumexp_ptr,
     centred_mean_ptr,
-    grad_logprob_ptr,
+    softmax_coef_ptr,
     grad_entropy_ptr,
     target_grad_ptr,
+    uniform_ptr,
     dlogits_ptr,
     T,
     C,
     H,
     chunk_start,
-    inv_temp,
+    centred_scale,
+    cap_scale,
+    dlogit_scale,
     stride_ht,
     stride_hh,
     stride_wv,
     stride_wh,
-    stride_glp,
+    stride_coef,
     stride_gent,
     stride_dt,
     BLOCK_T: tl.constexpr,
@@ -61,6 +73,9 @@ def _dlogits_kernel(
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     C_DIV16: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SMOOTHING: tl.constexpr,
 ):
     if C_DIV16:  # as V_DIV16 in the forward
         C = (C >> 4) << 4
@@ -80,24 +95,32 @@ def _dlogits_kernel(
             hidden, weight, rows, offs_v % C, H, stride_ht, stride_hh, stride_wv, stride_wh,
             BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, BF16_INTERPRETED, PRECISION,
         )  # fmt: skip
-    row_max = tl.load(max_ptr + rows)  # raw dot units, as the forward's running max
+    bias = None
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_v, mask=in_v, other=0.0).to(tl.float32)[None, :]
+    acc, slope = logit_map(acc, bias, cap_scale, HAS_BIAS, SOFTCAP)
+    row_max = tl.load(max_ptr + rows)  # raw units, as the forward's running max
     log_sumexp = tl.load(log_sumexp_ptr + rows)
     centred_mean = tl.load(centred_mean_ptr + rows)
-    g_lp = tl.load(grad_logprob_ptr + rows * stride_glp)
+    coef = tl.load(softmax_coef_ptr + rows * stride_coef)
     g_ent = tl.load(grad_entropy_ptr + rows * stride_gent)
     target_grad = tl.load(target_grad_ptr + rows)
     local_target = tl.load(targets_ptr + rows) - chunk_start
     # Centred before the scale exactly as the forward centred the lane (z - max z rounded once,
     # relative to the lane's distance from the max): scaling first and subtracting the rounded
     # max z left ~2^-24 |z| in p that the forward's log-sum-exp did not share (shift-variant).
-    centred = (acc - row_max[:, None]) * inv_temp
+    centred = (acc - row_max[:, None]) * centred_scale
     p = tl.exp(centred - log_sumexp[:, None])
-    d_z = -p * (g_lp[:, None] + g_ent[:, None] * (centred - centred_mean[:, None]))
+    d_z = -p * (coef[:, None] + g_ent[:, None] * (centred - centred_mean[:, None]))
+    # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed.
+    active = (coef != 0.0) | (g_ent != 0.0) | (target_grad != 0.0)
+    if SMOOTHING:
+        uniform = tl.load(uniform_ptr + rows)
+        d_z += uniform[:, None]
+        active |= uniform != 0.0
     is_target = offs_v[None, :] == local_target[:, None]
     d_z = tl.where(is_target, target_grad[:, None], d_z)
-    # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed.
-    active = (g_lp != 0.0) | (g_ent != 0.0)
-    d_logits = tl.where(active[:, None], d_z * inv_temp, 0.0)
+    d_logits = tl.where(active[:, None], d_z * (dlogit_scale * slope), 0.0)
     if BF16_INTERPRETED:
         # The interpreter truncates fp32 -> bf16; round to nearest as the GPU does.
         d_logits = round_bf16_rne(d_logits)
@@ -109,35 +132,38 @@ def _dlogits_kernel(
 def dlogits_chunk(
     hidden: torch.Tensor,
     weight_chunk: torch.Tensor,
+    bias_chunk: torch.Tensor | None,
     targets: torch.Tensor,
     chunk_start: int,
-    temperature: float,
+    logit: LogitOptions,
     rows: BackwardRows,
     out: torch.Tensor,
     config: TritonConfig,
 ) -> None:
-    """Write d_logits of vocab rows ``weight_chunk`` (global ids from ``chunk_start``) into ``out``.
+    """Write d_logits of vocab rows ``weight_chunk`` (global ids from ``chunk_start``; their bias
+    ``bias_chunk``, unit stride, or None) into ``out``.
 
-    ``out`` is ``[T, C]`` with unit column stride; ``rows`` fp32, contiguous but for the two
-    upstream gradients (any stride); ``targets`` int64 contiguous.
+    ``out`` is ``[T, C]`` with unit column stride; ``rows`` fp32, contiguous but for
+    ``softmax_coef`` and ``grad_entropy`` (any stride); ``targets`` int64 contiguous.
     """
     num_tokens, chunk = hidden.shape[0], weight_chunk.shape[0]
     tiles = config.backward.for_dtype(weight_chunk.dtype)
     grid = (triton.cdiv(num_tokens, tiles.block_t) * triton.cdiv(chunk, tiles.block_v),)
     _dlogits_kernel[grid](
-        targets_ptr=targets, max_ptr=rows.max, log_sumexp_ptr=rows.log_sumexp,
-        centred_mean_ptr=rows.centred_mean, grad_logprob_ptr=rows.grad_logprob,
-        grad_entropy_ptr=rows.grad_entropy, target_grad_ptr=rows.target_grad, dlogits_ptr=out,
-        T=num_tokens, C=chunk, C_DIV16=chunk % 16 == 0,
-        chunk_start=chunk_start, inv_temp=1.0 / temperature,
-        stride_glp=rows.grad_logprob.stride(0), stride_gent=rows.grad_entropy.stride(0),
+        bias_ptr=bias_chunk, targets_ptr=targets, max_ptr=rows.max,
+        log_sumexp_ptr=rows.log_sumexp, centred_mean_ptr=rows.centred_mean,
+        softmax_coef_ptr=rows.softmax_coef, grad_entropy_ptr=rows.grad_entropy,
+        target_grad_ptr=rows.target_grad, uniform_ptr=rows.uniform, dlogits_ptr=out,
+        T=num_tokens, C=chunk, C_DIV16=chunk % 16 == 0, chunk_start=chunk_start,
+        dlogit_scale=logit.dlogit_scale, **map_args(logit, bias_chunk),
+        stride_coef=rows.softmax_coef.stride(0), stride_gent=rows.grad_entropy.stride(0),
         stride_dt=out.stride(0),
         **operand_args(hidden, weight_chunk, tiles, config.use_tma),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
         PRECISION=config.fp32_precision, **tiles.launch_options(),
         # No FMA contraction: the epilogue must round as the forward's does (a fused
-        # `(acc - max) * inv_temp - log_sumexp` would keep residuals the forward's sums lack; on a
-        # confident row the entropy term weights them by p ~ 1 against a tiny E[z] - max). The
-        # epilogue's few flops per logit are noise next to the tile's 2H-flop dot.
+        # `(acc - max) * centred_scale - log_sumexp` would keep residuals the forward's sums lack;
+        # on a confident row the entropy term weights them by p ~ 1 against a tiny E[z] - max).
+        # The epilogue's few flops per logit are noise next to the tile's 2H-flop dot.
         enable_fp_fusion=False,
     )  # fmt: skip

@@ -81,12 +81,6 @@ class TritonConfig:
     backward took 86.7 / 80.5 ms at 128 MiB / 1 GiB for qwen2.5-16k (49 / 27 chunks), 48.0 / 46.7
     ms for gemma2-8k, 38.5 / 38.9 ms for llama3-8k, same peak (benchmarks/kernel_gpu.py's
     breakdown).
-    ``keep_logits_bytes``: opt-in. Where the ``[T, V_local]`` logits in weight's dtype fit this many
-    bytes (and the stages run without ``chunk_size``), the forward computes them with cuBLAS,
-    takes its statistics from them and keeps them for the backward, which writes d_logits over them
-    in place: 3 GEMMs instead of 4, for that much more peak memory. The logits are then rounded to
-    weight's dtype before the softmax, as in the 3-GEMM scalar loss (`loss_kernels`), where the
-    fused forward keeps fp32 dots. 0 (default) never keeps them.
     ``fp32_precision``: ``tl.dot`` mode for fp32 inputs; ``ieee`` (default) matches an fp32
     reference, ``tf32`` is faster and ~3e-4 relative. Low-precision inputs ignore it; the
     backward's cuBLAS GEMMs follow ``torch.backends.cuda.matmul.allow_tf32`` instead.
@@ -109,7 +103,6 @@ class TritonConfig:
     chunk_bytes: int = 128 << 20
     tail_chunk_bytes: int = 16 << 20
     aliased_chunk_bytes: int = 1 << 30
-    keep_logits_bytes: int = 0
     fp32_precision: str = "ieee"
     use_tma: bool = True
     grad_weight_fp32: bool = False
@@ -126,8 +119,6 @@ class TritonConfig:
         for name in ("chunk_bytes", "tail_chunk_bytes", "aliased_chunk_bytes", "loss_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.keep_logits_bytes < 0:
-            raise ValueError(f"keep_logits_bytes must be >= 0, got {self.keep_logits_bytes}")
 
 
 # The interpreter pays ~10 ms per program step whatever the block size: few, large tiles.

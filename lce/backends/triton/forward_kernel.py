@@ -1,7 +1,8 @@
 """Forward stage: vocab-split online softmax over logits tiles, then a merge of the splits.
 
-Each program owns ``block_t`` tokens x ``tiles_per_program`` vocab tiles and writes the fp32
-`ShardStats` partials of its split per token; `merge_partials` folds the splits.
+Each program owns ``block_t`` tokens x ``tiles_per_program`` vocab tiles, maps each tile of raw
+dots with `tiles.logit_map` and writes the fp32 `ShardStats` partials of its split per token;
+`merge_partials` folds the splits.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import triton.language as tl
 
 from lce.backends.base import ShardStats
 from lce.backends.triton.config import TritonConfig, interpreting
-from lce.backends.triton.operands import operand_args
-from lce.backends.triton.tiles import grouped_tile, logits_tile, logits_tile_tma
+from lce.backends.triton.operands import map_args, operand_args
+from lce.backends.triton.tiles import grouped_tile, logit_map, logits_tile, logits_tile_tma
+from lce.options import LogitOptions
 
 INTERPRETER_PROGRAMS = 2
 MERGE_BLOCK = 512  # tokens per program of the merge
@@ -28,18 +30,24 @@ def _online_softmax_step(
     acc,
     target_col,
     num_cols,
-    inv_temp,
+    centred_scale,
     row_max,
     sumexp_nonmax,
     sumexp_z,
     target_acc,
+    sum_centred,
+    seen_cols,
     BLOCK_V: tl.constexpr,
     MASKED: tl.constexpr,
+    SMOOTHING: tl.constexpr,
 ):
-    """Fold one ``[BLOCK_T, BLOCK_V]`` tile of raw dots into the running statistics.
+    """Fold one ``[BLOCK_T, BLOCK_V]`` tile of raw units (`tiles.logit_map`) into the running
+    statistics.
 
     ``target_col``: each row's target column in this tile (any value when elsewhere);
-    ``num_cols``: the tile's real columns, read only when ``MASKED`` (the tile overhangs V).
+    ``num_cols``: the tile's real columns, read only when ``MASKED`` (the tile overhangs V);
+    ``seen_cols``: the columns folded before this tile, whose centred sum (``SMOOTHING`` only)
+    moves by the shift of the max.
     """
     cols = tl.arange(0, BLOCK_V)
     is_target = cols[None, :] == target_col[:, None]
@@ -49,9 +57,9 @@ def _online_softmax_step(
     target_acc += tl.sum(tl.where(is_target, acc, 0.0), axis=1)
     if MASKED:
         acc = tl.where(in_v, acc, float("-inf"))
-    # The running max stays in raw dot units and each lane is centred before the 1/T scale: the
-    # max lane's centred value is then exactly 0 even where the compiler contracts
-    # `acc * inv_temp - max` into one FMA (which leaves the product's rounding residual,
+    # The running max stays in raw units and each lane is centred before the scale: the max
+    # lane's centred value is then exactly 0 even where the compiler contracts
+    # `acc * centred_scale - max` into one FMA (which leaves the product's rounding residual,
     # ~2^-24 |z|; weighted by p ~ 1 on a confident row it swamped E[z] - max, measured 6e-4
     # relative in the entropy gradient on an H100).
     tile_max = tl.max(acc, axis=1)
@@ -59,10 +67,10 @@ def _online_softmax_step(
     # Every tile holds >= 1 real column, so new_max is finite for finite logits; the guards
     # keep -inf rows (empty history) from producing inf - inf.
     seen = row_max > float("-inf")
-    shift = tl.where(seen, (row_max - new_max) * inv_temp, 0.0)
+    shift = tl.where(seen, (row_max - new_max) * centred_scale, 0.0)
     scale = tl.where(seen, tl.exp(shift), 0.0)
     # Lanes in log2 units: one multiply and exp2 per lane (tl.exp multiplies by log2(e) again).
-    centred2 = (acc - new_max[:, None]) * (inv_temp * LOG2E)
+    centred2 = (acc - new_max[:, None]) * (centred_scale * LOG2E)
     if MASKED:
         centred2 = tl.where(in_v, centred2, 0.0)
     e = tl.exp2(centred2)
@@ -82,7 +90,9 @@ def _online_softmax_step(
     sumexp_z = scale * (sumexp_z + shift * (1.0 + sumexp_nonmax)) + tile_z
     sumexp_nonmax = scale * sumexp_nonmax + tile_nonmax
     sumexp_nonmax += tl.where(takes, scale + (max_lanes - 1.0), 0.0)
-    return new_max, sumexp_nonmax, sumexp_z, target_acc
+    if SMOOTHING:  # sum_j (z_j - new max) over the columns seen; masked lanes' centred2 is 0
+        sum_centred = sum_centred + seen_cols * shift + LN2 * tl.sum(centred2, axis=1)
+    return new_max, sumexp_nonmax, sumexp_z, target_acc, sum_centred
 
 
 # Triton compiles once per combination of each int argument's class (== 1, divisible by 16, other)
@@ -101,13 +111,15 @@ def _online_softmax_step(
 def _forward_partials_kernel(
     hidden,
     weight,
+    bias_ptr,
     targets_ptr,
     partials_ptr,
     T,
     V,
     H,
     vocab_start,
-    inv_temp,
+    centred_scale,
+    cap_scale,
     num_splits,
     tiles_per_split,
     num_programs,
@@ -126,6 +138,9 @@ def _forward_partials_kernel(
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     V_DIV16: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SMOOTHING: tl.constexpr,
 ):
     if V_DIV16:  # the shifts tell the compiler what the launcher knows (a no-op on V's value)
         V = (V >> 4) << 4
@@ -143,38 +158,47 @@ def _forward_partials_kernel(
         # -1 (ignored) matches no column
         local_target = tl.load(targets_ptr + rows) - vocab_start
 
-        row_max = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)  # of acc = z * T
+        row_max = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)  # raw units
         sumexp_nonmax = tl.zeros((BLOCK_T,), dtype=tl.float32)  # one max lane's 1 left out
         sumexp_z = tl.zeros((BLOCK_T,), dtype=tl.float32)  # sum exp(z - max z) * (z - max z)
         target_acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        sum_centred = tl.zeros((BLOCK_T,), dtype=tl.float32)  # sum (z - max z), smoothing only
 
         first_tile = pid_s * tiles_per_split
         num_tiles = min(tiles_per_split, tl.cdiv(V, BLOCK_V) - first_tile)
         for i in range(0, num_tiles):
             tile_start = (first_tile + i) * BLOCK_V
+            offs_v = tile_start.to(tl.int64) + tl.arange(0, BLOCK_V)
             if USE_TMA:
                 acc = logits_tile_tma(
                     hidden, weight, pid_t * BLOCK_T, tile_start, H,
                     BLOCK_T, BLOCK_V, BLOCK_H, BF16_INTERPRETED, PRECISION,
                 )  # fmt: skip
             else:
-                offs_v = tile_start.to(tl.int64) + tl.arange(0, BLOCK_V)
                 acc = logits_tile(
                     hidden, weight, rows, offs_v % V, H,
                     stride_ht, stride_hh, stride_wv, stride_wh,
                     BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, BF16_INTERPRETED, PRECISION,
                 )  # fmt: skip
+            bias = None
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)
+                bias = bias[None, :]
+            acc, _ = logit_map(acc, bias, cap_scale, HAS_BIAS, SOFTCAP)
             # int32 columns of this tile: |target - tile_start| < 2^31 for any vocabulary size.
             target_col = (local_target - tile_start).to(tl.int32)
+            seen_cols = i * BLOCK_V  # every tile before this one is whole
             if tile_start + BLOCK_V <= V:  # every tile but a shard's last: no padded columns
-                row_max, sumexp_nonmax, sumexp_z, target_acc = _online_softmax_step(
-                    acc, target_col, V - tile_start, inv_temp,
-                    row_max, sumexp_nonmax, sumexp_z, target_acc, BLOCK_V, False,
+                row_max, sumexp_nonmax, sumexp_z, target_acc, sum_centred = _online_softmax_step(
+                    acc, target_col, V - tile_start, centred_scale,
+                    row_max, sumexp_nonmax, sumexp_z, target_acc, sum_centred, seen_cols,
+                    BLOCK_V, False, SMOOTHING,
                 )  # fmt: skip
             else:
-                row_max, sumexp_nonmax, sumexp_z, target_acc = _online_softmax_step(
-                    acc, target_col, V - tile_start, inv_temp,
-                    row_max, sumexp_nonmax, sumexp_z, target_acc, BLOCK_V, True,
+                row_max, sumexp_nonmax, sumexp_z, target_acc, sum_centred = _online_softmax_step(
+                    acc, target_col, V - tile_start, centred_scale,
+                    row_max, sumexp_nonmax, sumexp_z, target_acc, sum_centred, seen_cols,
+                    BLOCK_V, True, SMOOTHING,
                 )  # fmt: skip
 
         out = partials_ptr + pid_s.to(tl.int64) * T + offs_t
@@ -185,14 +209,26 @@ def _forward_partials_kernel(
         tl.store(out, sumexp_z, mask=in_t)
         out += plane
         tl.store(out, target_acc, mask=in_t)
+        out += plane
+        tl.store(out, sum_centred, mask=in_t)
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # a loop count; T and plane align the loads
+@triton.jit(do_not_specialize=["num_splits", "V"])  # loop and column counts
 def _merge_partials_kernel(
-    partials_ptr, out_ptr, T, num_splits, plane, inv_temp, BLOCK: tl.constexpr
+    partials_ptr,
+    out_ptr,
+    T,
+    V,
+    num_splits,
+    split_cols,
+    plane,
+    centred_scale,
+    BLOCK: tl.constexpr,
+    SMOOTHING: tl.constexpr,
 ):
     """Per token: the (raw) max over splits, then each split's sums rescaled onto it and added (the
-    non-max terms as in `lce.tp.merge_stats`: one split at the max keeps its 1 out)."""
+    non-max terms as in `lce.tp.merge_stats`: one split at the max keeps its 1 out). A split holds
+    ``split_cols`` columns (the last one the rest of ``V``), which re-centre its ``sum_centred``."""
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_t = offs_t < T
     row_max = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
@@ -204,13 +240,14 @@ def _merge_partials_kernel(
     max_holders = tl.zeros((BLOCK,), dtype=tl.float32)
     sumexp_z = tl.zeros((BLOCK,), dtype=tl.float32)
     target_logit = tl.zeros((BLOCK,), dtype=tl.float32)
+    sum_centred = tl.zeros((BLOCK,), dtype=tl.float32)
     at = partials_ptr + offs_t
-    for _ in range(0, num_splits):
+    for split in range(0, num_splits):
         split_max = tl.load(at, mask=in_t, other=float("-inf"))
         # A split with no finite logit (max -inf) adds exactly 0.
         seen = split_max > float("-inf")
         # Raw maxima subtracted before the scale, as each lane was centred; no inf - inf.
-        shift = tl.where(seen, (split_max - tl.where(seen, row_max, 0.0)) * inv_temp, 0.0)
+        shift = tl.where(seen, (split_max - tl.where(seen, row_max, 0.0)) * centred_scale, 0.0)
         scale = tl.where(seen, tl.exp(shift), 0.0)
         holds_max = seen & (split_max == row_max)
         split_nonmax = tl.load(at + plane, mask=in_t, other=0.0)
@@ -219,15 +256,23 @@ def _merge_partials_kernel(
         split_sumexp = tl.where(seen, 1.0 + split_nonmax, 0.0)
         sumexp_z += scale * (tl.load(at + 2 * plane, mask=in_t, other=0.0) + shift * split_sumexp)
         target_logit += tl.load(at + 3 * plane, mask=in_t, other=0.0)
+        if SMOOTHING:
+            cols = tl.minimum(split_cols, V - split * split_cols).to(tl.float32)
+            split_sum = tl.load(at + 4 * plane, mask=in_t, other=0.0)
+            sum_centred += tl.where(seen, split_sum + cols * shift, 0.0)
         at += T
     tl.store(out_ptr + offs_t, row_max, mask=in_t)
     tl.store(out_ptr + T + offs_t, sumexp_nonmax + (max_holders - 1.0), mask=in_t)
     tl.store(out_ptr + 2 * T + offs_t, sumexp_z, mask=in_t)
     tl.store(out_ptr + 3 * T + offs_t, target_logit, mask=in_t)
+    tl.store(out_ptr + 4 * T + offs_t, sum_centred, mask=in_t)
 
 
-def merge_partials(partials: torch.Tensor, temperature: float) -> ShardStats:
-    """Fold ``[4, splits, T]`` per-split partials (`ShardStats` order) into one `ShardStats`.
+def merge_partials(
+    partials: torch.Tensor, logit: LogitOptions, vocab_local: int, split_cols: int
+) -> ShardStats:
+    """Fold ``[5, splits, T]`` per-split partials (`ShardStats` order) into one `ShardStats`;
+    each split holds ``split_cols`` of the shard's ``vocab_local`` columns (the last the rest).
 
     One pass over the partials (torch ops took ~0.3 ms at llama3-8k on an H100, 2.5% of a GEMM).
     """
@@ -236,27 +281,24 @@ def merge_partials(partials: torch.Tensor, temperature: float) -> ShardStats:
         len(fields(ShardStats)), num_tokens, dtype=torch.float32, device=partials.device
     )
     _merge_partials_kernel[(triton.cdiv(num_tokens, MERGE_BLOCK),)](
-        partials,
-        merged,
-        num_tokens,
-        num_splits,
-        num_splits * num_tokens,
-        1.0 / temperature,
-        BLOCK=MERGE_BLOCK,
-        num_warps=4,
-    )
+        partials, merged, num_tokens, vocab_local, num_splits, split_cols,
+        num_splits * num_tokens, logit.centred_scale, BLOCK=MERGE_BLOCK,
+        SMOOTHING=logit.label_smoothing > 0, num_warps=4,
+    )  # fmt: skip
     return ShardStats(*merged.unbind(0))
 
 
 def forward_partials(
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    bias: torch.Tensor | None,
     targets: torch.Tensor,
     vocab_start: int,
-    temperature: float,
+    logit: LogitOptions,
     config: TritonConfig,
-) -> torch.Tensor:
-    """fp32 ``[4, splits, T]`` partial statistics (`ShardStats` order); needs T, V >= 1."""
+) -> tuple[torch.Tensor, int]:
+    """fp32 ``[5, splits, T]`` partial statistics (`ShardStats` order) and the columns each
+    split holds (`merge_partials`); needs T, V >= 1, a contiguous ``bias`` or None."""
     num_tokens, vocab_local = hidden.shape[0], weight.shape[0]
     tiles = config.forward.for_dtype(weight.dtype)
     num_vocab_tiles = triton.cdiv(vocab_local, tiles.block_v)
@@ -271,15 +313,15 @@ def forward_partials(
         programs = min(num_items, _persistent_programs(hidden.device))
     operands = operand_args(hidden, weight, tiles, config.use_tma)
     _forward_partials_kernel[(programs,)](
-        targets_ptr=targets, partials_ptr=partials,
+        bias_ptr=bias, targets_ptr=targets, partials_ptr=partials,
         T=num_tokens, V=vocab_local, V_DIV16=vocab_local % 16 == 0, vocab_start=vocab_start,
-        inv_temp=1.0 / temperature, num_splits=num_splits, tiles_per_split=tiles_per_split,
+        num_splits=num_splits, tiles_per_split=tiles_per_split,
         num_programs=programs, plane=num_splits * num_tokens, **operands,
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,
         PRECISION=config.fp32_precision, **tiles.launch_options(),
-        WARP_SPECIALIZE=warp_specialized(config, operands["USE_TMA"]),
+        WARP_SPECIALIZE=warp_specialized(config, operands["USE_TMA"]), **map_args(logit, bias),
     )  # fmt: skip
-    return partials
+    return partials, tiles_per_split * tiles.block_v
 
 
 def warp_specialized(config: TritonConfig, tma: bool) -> bool:

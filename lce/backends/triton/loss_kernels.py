@@ -1,6 +1,6 @@
-"""Row kernels of the 3-GEMM paths: over a materialized ``[rows, V_local]`` logits chunk in weight's
-dtype (raw dots, no temperature), the shard statistics, then d_logits written over it in place
-(the scalar loss's, or with the entropy term for the kept-logits path, `kept_logits`).
+"""Row kernels of the 3-GEMM loss: over a materialized ``[rows, V_local]`` logits chunk in weight's
+dtype (raw dots, mapped by `tiles.logit_map` as they are read), the shard statistics, then d_logits
+written over it in place.
 
 The GEMMs around them are cuBLAS's (`lce.backends.gemm`); these kernels are memory-bound
 sweeps, one program per token row walking the vocabulary in ascending tiles.
@@ -14,20 +14,34 @@ import triton.language as tl
 
 from lce.backends.base import BackwardRows
 from lce.backends.triton.config import interpreting
-from lce.backends.triton.tiles import round_bf16_rne
+from lce.backends.triton.operands import map_args
+from lce.backends.triton.tiles import logit_map, round_bf16_rne
+from lce.options import LogitOptions
 
 BLOCK_V = 2048  # 8 warps: 8 elements per thread per step
 BLOCK_V_INTERPRETED = 256
 
 
 @triton.jit
-def _lane_stats_step(acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, in_v, MASKED: tl.constexpr):
+def _lane_stats_step(
+    acc,
+    lane_max,
+    lane_nonmax,
+    lane_sum_z,
+    lane_sum_c,
+    count,
+    centred_scale,
+    in_v,
+    MASKED: tl.constexpr,
+    SMOOTHING: tl.constexpr,
+):
     """Fold one element per lane into the lane statistics (see `_row_stats_kernel`).
 
-    One exp per element: exp(-|a - lane max| / T) is the element's own term when it is not a new
-    maximum, and the rescale of the lane's old terms when it is (the old max then joins the
-    non-max sum). Unless ``MASKED``, every lane has seen an element (finite max); ``MASKED``
-    also guards unseen lanes and those ``in_v`` leaves out (loaded as -inf).
+    One exp per element: exp(-|a - lane max| * centred_scale) is the element's own term when it is
+    not a new maximum, and the rescale of the lane's old terms when it is (the old max then joins
+    the non-max sum). Unless ``MASKED``, every lane has seen an element (finite max); ``MASKED``
+    also guards unseen lanes and those ``in_v`` leaves out (loaded as -inf). ``count``: the
+    elements each lane folded before (``SMOOTHING``: their centred sum moves with a new max).
     """
     is_new = acc > lane_max  # never a masked (-inf) element
     if MASKED:
@@ -35,9 +49,9 @@ def _lane_stats_step(acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, in_v, MAS
         base = tl.where(ok, lane_max, 0.0)
     else:
         base = lane_max
-    # Centred before the 1/T scale (the max lane's centred value exactly 0): a - max when a is
+    # Centred before the scale (the max lane's centred value exactly 0): a - max when a is
     # no new max, max_old - a when it is, both <= 0 and each the value the forward kernel rounds.
-    d = -tl.abs(acc - base) * inv_temp
+    d = -tl.abs(acc - base) * centred_scale
     if MASKED:
         d = tl.where(ok, d, 0.0)
     t = tl.exp(d)
@@ -46,119 +60,170 @@ def _lane_stats_step(acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, in_v, MAS
     total = 1.0 + lane_nonmax
     lane_sum_z = tl.where(is_new, t * (lane_sum_z + d * total), lane_sum_z + t * d)
     lane_nonmax = tl.where(is_new, t * total, lane_nonmax + t)
-    return tl.maximum(lane_max, acc), lane_nonmax, lane_sum_z
+    if SMOOTHING:  # a new max shifts the old elements by d; its own centred value is 0
+        lane_sum_c = tl.where(is_new, lane_sum_c + count * d, lane_sum_c + d)
+    return tl.maximum(lane_max, acc), lane_nonmax, lane_sum_z, lane_sum_c
+
+
+@triton.jit
+def _mapped(
+    row_ptr,
+    bias_ptr,
+    offs,
+    mask,
+    cap_scale,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The raw units and slopes (`tiles.logit_map`) of the logits row's columns ``offs``; where
+    ``MASKED`` and not ``mask``, -inf (the map would turn a masked -inf into the cap's -1)."""
+    if MASKED:
+        acc = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.load(row_ptr + offs).to(tl.float32)
+    bias = None
+    if HAS_BIAS:
+        if MASKED:
+            bias = tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            bias = tl.load(bias_ptr + offs).to(tl.float32)
+    acc, slope = logit_map(acc, bias, cap_scale, HAS_BIAS, SOFTCAP)
+    if MASKED:
+        acc = tl.where(mask, acc, float("-inf"))
+    return acc, slope
 
 
 # The logits rows' pointer, stride and V stay specialized (the sweep's vector loads and masks); the
 # vocabulary offset, the stats plane and the per-row pointers (one scalar access each) are not.
 @triton.jit(
     do_not_specialize=["plane", "vocab_start"],
-    do_not_specialize_on_alignment=["targets_ptr", "stats_ptr"],
+    do_not_specialize_on_alignment=["targets_ptr", "stats_ptr", "bias_ptr"],
 )  # fmt: skip
 def _row_stats_kernel(
     logits_ptr,
+    bias_ptr,
     targets_ptr,
     stats_ptr,
     plane,
     V,
     vocab_start,
-    inv_temp,
+    centred_scale,
+    cap_scale,
     stride_lt,
     BLOCK_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SMOOTHING: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
     row_ptr = logits_ptr + row * stride_lt
-    # Per lane: a running max in raw dot units (centred before the 1/T scale, as the forward
+    # Per lane: a running max in raw units (centred before the scale, as the forward
     # kernel does, so the max lane's centred value is exactly 0), the sum of exp(z - max) over
     # the lane's elements but its max (whose term is exactly 1: kept apart, as `ShardStats`
-    # asks) and the centred sum of z. Lanes merge once at the end: no cross-thread reduction in
+    # asks) and the centred sums of z. Lanes merge once at the end: no cross-thread reduction in
     # the sweep. The first whole tile only sets each lane's max; the others run unmasked.
     full_tiles = V // BLOCK_V
     lane_nonmax = tl.zeros((BLOCK_V,), dtype=tl.float32)
     lane_sum_z = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    lane_sum_c = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    lane_max = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
     if full_tiles > 0:
-        lane_max = tl.load(row_ptr + cols).to(tl.float32)
-    else:
-        lane_max = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
+        lane_max, _ = _mapped(row_ptr, bias_ptr, cols, None, cap_scale, HAS_BIAS, SOFTCAP, False)
     for i in range(1, full_tiles):
-        acc = tl.load(row_ptr + i * BLOCK_V + cols).to(tl.float32)
-        lane_max, lane_nonmax, lane_sum_z = _lane_stats_step(
-            acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, None, False
-        )
+        offs = i * BLOCK_V + cols
+        acc, _ = _mapped(row_ptr, bias_ptr, offs, None, cap_scale, HAS_BIAS, SOFTCAP, False)
+        lane_max, lane_nonmax, lane_sum_z, lane_sum_c = _lane_stats_step(
+            acc, lane_max, lane_nonmax, lane_sum_z, lane_sum_c, i, centred_scale, None, False,
+            SMOOTHING,
+        )  # fmt: skip
     if full_tiles * BLOCK_V < V:
         offs = full_tiles * BLOCK_V + cols
         in_v = offs < V
-        acc = tl.load(row_ptr + offs, mask=in_v, other=float("-inf")).to(tl.float32)
-        lane_max, lane_nonmax, lane_sum_z = _lane_stats_step(
-            acc, lane_max, lane_nonmax, lane_sum_z, inv_temp, in_v, True
-        )
+        acc, _ = _mapped(row_ptr, bias_ptr, offs, in_v, cap_scale, HAS_BIAS, SOFTCAP, True)
+        lane_max, lane_nonmax, lane_sum_z, lane_sum_c = _lane_stats_step(
+            acc, lane_max, lane_nonmax, lane_sum_z, lane_sum_c, full_tiles, centred_scale, in_v,
+            True, SMOOTHING,
+        )  # fmt: skip
     # The target's logit: one load where this shard holds it (-1, ignored, is held by none).
     local_target = tl.load(targets_ptr + row) - vocab_start
     owned = (local_target >= 0) & (local_target < V)
-    target = tl.load(row_ptr + tl.where(owned, local_target, 0), mask=owned, other=0.0)
+    at = tl.where(owned, local_target, 0)
+    target, _ = _mapped(row_ptr, bias_ptr, at, owned, cap_scale, HAS_BIAS, SOFTCAP, True)
     row_max = tl.max(lane_max, axis=0)
     seen = lane_max > float("-inf")
-    shift = tl.where(seen, (lane_max - row_max) * inv_temp, 0.0)
+    shift = tl.where(seen, (lane_max - row_max) * centred_scale, 0.0)
     scale = tl.where(seen, tl.exp(shift), 0.0)
     # One lane holding the row max keeps its max's 1 out; every other lane's max term joins.
     first_max = tl.min(tl.where(lane_max == row_max, cols, BLOCK_V), axis=0)
     own_max = tl.where(seen & (cols != first_max), scale, 0.0)
     out = stats_ptr + row
-    tl.store(out, row_max)  # raw dot units (`ShardStats`)
+    tl.store(out, row_max)  # raw units (`ShardStats`)
     tl.store(out + plane, tl.sum(scale * lane_nonmax + own_max, axis=0))
     total = tl.where(seen, 1.0 + lane_nonmax, 0.0)
     tl.store(out + 2 * plane, tl.sum(scale * (lane_sum_z + shift * total), axis=0))
-    tl.store(out + 3 * plane, target.to(tl.float32))
+    tl.store(out + 3 * plane, tl.where(owned, target, 0.0))
+    sum_centred = 0.0
+    if SMOOTHING:  # each lane's elements: the whole tiles, plus one if the tail reaches it
+        elements = full_tiles + (full_tiles * BLOCK_V + cols < V).to(tl.int32)
+        sum_centred = tl.sum(tl.where(seen, lane_sum_c + elements * shift, 0.0), axis=0)
+    tl.store(out + 4 * plane, sum_centred)
 
 
 def row_stats_into(
     logits: torch.Tensor,
+    bias: torch.Tensor | None,
     targets: torch.Tensor,
     vocab_start: int,
-    temperature: float,
+    logit: LogitOptions,
     out: torch.Tensor,
     block_v: int | None = None,
     num_warps: int = 8,
 ) -> None:
-    """`ShardStats` of ``logits / temperature`` (``[rows, V_local]``, unit column stride)
-    against int64 global ``targets`` (-1: ignored, owned by no shard), written into fp32
-    ``out[4, rows]`` (the `ShardStats` fields in order, unit row stride).
+    """`ShardStats` of the logits ``logit`` forms from the raw dots ``logits`` (``[rows,
+    V_local]``, unit column stride) and ``bias`` (``[V_local]`` contiguous, or None) against int64
+    global ``targets`` (-1: ignored, owned by no shard), written into fp32 ``out[5, rows]`` (the
+    `ShardStats` fields in order, unit row stride).
 
     ``block_v`` (elements per program step, default `BLOCK_V`) and ``num_warps``: for tuning.
     """
     num_rows, vocab = logits.shape
     _row_stats_kernel[(num_rows,)](
-        logits, targets, out, out.stride(0), vocab, vocab_start, 1.0 / temperature,
-        logits.stride(0), BLOCK_V=block_v or _block_v(), num_warps=num_warps,
+        logits_ptr=logits, bias_ptr=bias, targets_ptr=targets, stats_ptr=out,
+        plane=out.stride(0), V=vocab, vocab_start=vocab_start, stride_lt=logits.stride(0),
+        BLOCK_V=block_v or _block_v(), num_warps=num_warps, **map_args(logit, bias),
     )  # fmt: skip
 
 
 @triton.jit(  # as `_row_stats_kernel`
     do_not_specialize=["vocab_start"],
     do_not_specialize_on_alignment=[
-        "targets_ptr", "max_ptr", "log_sumexp_ptr", "coef_ptr", "target_grad_ptr",
-        "grad_entropy_ptr", "centred_mean_ptr",
+        "bias_ptr", "targets_ptr", "max_ptr", "log_sumexp_ptr", "coef_ptr", "target_grad_ptr",
+        "uniform_ptr",
     ],
 )  # fmt: skip
 def _row_dlogits_kernel(
     logits_ptr,
     out_ptr,
+    bias_ptr,
     targets_ptr,
     max_ptr,
     log_sumexp_ptr,
     coef_ptr,
     target_grad_ptr,
-    grad_entropy_ptr,
-    centred_mean_ptr,
+    uniform_ptr,
     V,
     vocab_start,
-    inv_temp,
+    centred_scale,
+    cap_scale,
     stride_lt,
     stride_ot,
     BLOCK_V: tl.constexpr,
     BF16_INTERPRETED: tl.constexpr,
-    ENTROPY: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SMOOTHING: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
@@ -167,22 +232,20 @@ def _row_dlogits_kernel(
     log_sumexp = tl.load(log_sumexp_ptr + row)
     coef = tl.load(coef_ptr + row)
     target_grad = tl.load(target_grad_ptr + row)
-    if ENTROPY:  # as the backward kernel: coef is g_lp, target_grad d_z on the target lane
-        g_ent = tl.load(grad_entropy_ptr + row)
-        centred_mean = tl.load(centred_mean_ptr + row)
-        # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed.
-        active = (coef != 0.0) | (g_ent != 0.0)
+    if SMOOTHING:
+        uniform = tl.load(uniform_ptr + row)
     for tile_start in range(0, V, BLOCK_V):
         offs = tile_start + cols
         in_v = offs < V
-        acc = tl.load(logits_ptr + row * stride_lt + offs, mask=in_v, other=0.0)
+        acc, slope = _mapped(
+            logits_ptr + row * stride_lt, bias_ptr, offs, in_v, cap_scale, HAS_BIAS, SOFTCAP, True
+        )
         # Centred before the scale, as the statistics were (`ShardStats`): no rounding at |z|.
-        centred = (acc.to(tl.float32) - row_max) * inv_temp
-        p = tl.exp(centred - log_sumexp)
-        d = -p * (coef + g_ent * (centred - centred_mean)) if ENTROPY else coef * p
-        d = tl.where(offs == local_target, target_grad, d)
-        if ENTROPY:
-            d = tl.where(active, d * inv_temp, 0.0)
+        centred = (acc - row_max) * centred_scale
+        d = -coef * tl.exp(centred - log_sumexp)
+        if SMOOTHING:
+            d += uniform
+        d = tl.where(offs == local_target, target_grad, d) * slope
         if BF16_INTERPRETED:
             d = round_bf16_rne(d)  # the interpreter's bf16 cast truncates
         tl.store(out_ptr + row * stride_ot + offs, d.to(out_ptr.dtype.element_ty), mask=in_v)
@@ -191,59 +254,29 @@ def _row_dlogits_kernel(
 def row_dlogits(
     logits: torch.Tensor,
     out: torch.Tensor,
+    bias: torch.Tensor | None,
     targets: torch.Tensor,
     vocab_start: int,
-    temperature: float,
-    global_max: torch.Tensor,
-    log_sumexp: torch.Tensor,
-    coef: torch.Tensor,
-    target_grad: torch.Tensor,
+    logit: LogitOptions,
+    rows: BackwardRows,
 ) -> None:
-    """``out = coef * softmax(logits / temperature)`` off the target lane, ``target_grad`` on it.
+    """``out = (rows.uniform - rows.softmax_coef * p) * slope`` off the target lane and
+    ``rows.target_grad * slope`` on it: ``d_a`` of the logits ``logit`` forms from the raw dots
+    ``logits`` and ``bias`` (as `row_stats_into`), ``p`` their softmax, ``slope`` the softcap's.
 
-    Per row (fp32 ``[rows]``, contiguous): ``global_max`` and ``log_sumexp`` as in
-    `lce.tp.GlobalStats`; ``coef`` and ``target_grad`` already divided by the temperature.
+    ``rows`` (fp32 ``[rows]``, contiguous; its ``max``/``log_sumexp`` as in `lce.tp.GlobalStats`)
+    has its coefficients already times ``logit.dlogit_scale``; its entropy fields are not read.
     ``out`` (``[rows, V_local]``, unit column stride) may be ``logits`` itself: each element is
     read, then written, by the same thread.
     """
-    _launch_row_dlogits(
-        logits, out, targets, vocab_start, temperature,
-        (global_max, log_sumexp, coef, target_grad, coef, coef), False,
-    )  # fmt: skip
-
-
-def row_dlogits_with_entropy(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_start: int,
-    temperature: float,
-    rows: BackwardRows,
-) -> None:
-    """d_logits of `BackwardRows` written over ``logits`` in place, as the backward kernel
-    (`backward_kernel`) computes them from its fp32 dots, here from the logits as stored: ``d_z =
-    -p (g_lp + g_ent (z - E[z]))`` off the target lane, ``rows.target_grad`` on it, divided by the
-    temperature; 0 on rows whose two upstream gradients are 0. ``rows`` fp32, contiguous.
-    """
-    per_row = (rows.max, rows.log_sumexp, rows.grad_logprob, rows.target_grad, rows.grad_entropy,
-               rows.centred_mean)  # fmt: skip
-    _launch_row_dlogits(logits, logits, targets, vocab_start, temperature, per_row, True)
-
-
-def _launch_row_dlogits(
-    logits: torch.Tensor,
-    out: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_start: int,
-    temperature: float,
-    per_row: tuple[torch.Tensor, ...],
-    entropy: bool,
-) -> None:
     num_rows, vocab = logits.shape
     _row_dlogits_kernel[(num_rows,)](
-        logits, out, targets, *per_row, vocab, vocab_start,
-        1.0 / temperature, logits.stride(0), out.stride(0), BLOCK_V=_block_v(),
-        BF16_INTERPRETED=interpreting() and out.dtype == torch.bfloat16, ENTROPY=entropy,
-        num_warps=8,
+        logits_ptr=logits, out_ptr=out, bias_ptr=bias, targets_ptr=targets, max_ptr=rows.max,
+        log_sumexp_ptr=rows.log_sumexp, coef_ptr=rows.softmax_coef,
+        target_grad_ptr=rows.target_grad, uniform_ptr=rows.uniform, V=vocab,
+        vocab_start=vocab_start, stride_lt=logits.stride(0), stride_ot=out.stride(0),
+        BLOCK_V=_block_v(), BF16_INTERPRETED=interpreting() and out.dtype == torch.bfloat16,
+        num_warps=8, **map_args(logit, bias),
         # No FMA: each lane centred and rounded as the row statistics rounded it (see the backward
         # kernel).
         enable_fp_fusion=False,

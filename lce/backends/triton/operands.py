@@ -1,5 +1,5 @@
-"""How a kernel reads ``hidden`` and ``weight``: TMA descriptors when the layout allows, else
-raw pointers with strides (any layout, masked H tail)."""
+"""How a kernel reads ``hidden`` and ``weight`` (TMA descriptors when the layout allows, else raw
+pointers with strides: any layout, masked H tail) and the logit map's arguments."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lce.backends.triton.config import TileShape, interpreting
+from lce.options import LogitOptions
 
 
 def _tma_ok(tensor: torch.Tensor) -> bool:
@@ -45,3 +46,14 @@ def operand_args(
     else:
         args["hidden"], args["weight"] = hidden, weight
     return args
+
+
+def map_args(logit: LogitOptions, bias: torch.Tensor | None) -> dict[str, object]:
+    """The logit map's kernel arguments (`tiles.logit_map`), shared by every kernel's launch."""
+    return {
+        "centred_scale": logit.centred_scale,
+        "cap_scale": logit.cap_scale,
+        "HAS_BIAS": bias is not None,
+        "SOFTCAP": logit.softcap is not None,
+        "SMOOTHING": logit.label_smoothing > 0,
+    }

@@ -2,10 +2,9 @@
 
 Forward: `forward_kernel` (one pass of logits tiles, online softmax). Backward: per vocab chunk,
 `backward_kernel` recomputes logits and writes d_logits, then two GEMMs (`lce.backends.gemm`)
-accumulate grad_hidden and write grad_weight in fp32. With ``chunk_size`` both run per block of
-tokens. The 3-GEMM loss (`loss_grads_in_forward`): per token chunk, a cuBLAS logits GEMM, the
-row kernels of `loss_kernels`, and the two gradient GEMMs. Opt-in (`TritonConfig.
-keep_logits_bytes`): the forward keeps its logits for the backward (`kept_logits`), 3 GEMMs.
+accumulate grad_hidden and write grad_weight in fp32 (grad_bias: the chunk's column sums). With
+``chunk_size`` both run per block of tokens. The 3-GEMM loss (`loss_grads_in_forward`): per token
+chunk, a cuBLAS logits GEMM, the row kernels of `loss_kernels`, and the two gradient GEMMs.
 """
 
 from __future__ import annotations
@@ -14,19 +13,13 @@ from dataclasses import fields
 
 import torch
 
-from lce.backends.base import BackwardRows, ShardStats, select_rows
+from lce.backends.base import BackwardRows, GlobalMerge, Grads, ShardStats, Wanted, select_rows
 from lce.backends.gemm import RowSum, addmm_, mm_into
-from lce.backends.torch_chunked import GlobalMerge
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.config import TritonConfig, default_config
 from lce.backends.triton.forward_kernel import forward_partials, merge_partials
-from lce.backends.triton.kept_logits import (
-    KeptLogits,
-    backward_from_kept_logits,
-    fits,
-    forward_with_kept_logits,
-)
 from lce.backends.triton.loss_kernels import row_dlogits, row_stats_into
+from lce.options import LogitOptions
 
 # Token rows of a logits chunk are rounded to this (the GEMMs' tile multiple) when they fit.
 LOSS_ROW_ALIGN = 256
@@ -60,9 +53,6 @@ class TritonStages:
     def __init__(self, config: TritonConfig | None = None, chunk_size: int | None = None) -> None:
         self.config = config
         self.chunk_size = chunk_size
-        # One call's logits, from its forward to its backward (`kept_logits`); `lce.backends.
-        # get_stages` makes a TritonStages per call, so no other call's backward finds them.
-        self._kept: KeptLogits | None = None
 
     def _config(self) -> TritonConfig:
         return self.config if self.config is not None else default_config()
@@ -75,9 +65,10 @@ class TritonStages:
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
     ) -> ShardStats:
         """See `lce.backends.base.StageBackend.forward_stats` (sumexp_z centred on ``max``)."""
         _check_operands(hidden, weight, targets)
@@ -88,21 +79,13 @@ class TritonStages:
             )
             empty[0] = float("-inf")
             return ShardStats(*empty.unbind(0))
-        targets = targets.contiguous()
-        if self.chunk_size is None and fits(num_tokens, weight, self._config().keep_logits_bytes):
-            stats, self._kept = forward_with_kept_logits(
-                hidden, weight, targets, vocab_start, temperature
+        targets, bias = targets.contiguous(), _contiguous(bias)
+        blocks = []
+        for rows in self._token_blocks(num_tokens):
+            partials, split_cols = forward_partials(
+                hidden[rows], weight, bias, targets[rows], vocab_start, logit, self._config()
             )
-            return stats
-        blocks = [
-            merge_partials(
-                forward_partials(
-                    hidden[rows], weight, targets[rows], vocab_start, temperature, self._config()
-                ),
-                temperature,
-            )
-            for rows in self._token_blocks(num_tokens)
-        ]
+            blocks.append(merge_partials(partials, logit, vocab_local, split_cols))
         if len(blocks) == 1:
             return blocks[0]
         return ShardStats(
@@ -113,111 +96,102 @@ class TritonStages:
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
         rows: BackwardRows,
-        need_hidden: bool,
-        need_weight: bool,
+        wanted: Wanted,
         grad_hidden_dtype: torch.dtype | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    ) -> Grads:
         """See `lce.backends.base.StageBackend.backward_grads` (grad_hidden comes back in
         ``grad_hidden_dtype`` when given). Workspace: one d_logits chunk, inside grad_weight's
         rows not written yet where they hold it (`_dlogits_chunks`)."""
         _check_operands(hidden, weight, targets)
-        (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
-        config = self._config()
-        kept, self._kept = self._kept, None  # used once: the backward overwrites them
-        if kept is not None and kept.matches(hidden, weight):
-            dtypes = (
-                grad_hidden_dtype or torch.float32,
-                torch.float32 if config.grad_weight_fp32 else weight.dtype,
-            )
-            return backward_from_kept_logits(
-                kept, hidden, weight, targets.contiguous(), vocab_start, temperature, rows,
-                (need_hidden, need_weight), dtypes,
-            )  # fmt: skip
-        device = hidden.device
+        num_tokens, config = hidden.shape[0], self._config()
         blocks = self._token_blocks(num_tokens)
-        grad_hidden = None
-        if need_hidden:
-            grad_hidden = RowSum(
-                num_tokens, hidden_size, grad_hidden_dtype or torch.float32, device
-            )
-        grad_weight = None
-        if need_weight:
-            # Every chunk writes its grad_weight rows, so only T = 0 needs the zeros; several token
-            # blocks add up in fp32 (a low-precision sum would round once per block).
-            alloc = torch.empty if num_tokens else torch.zeros
-            fp32 = config.grad_weight_fp32 or len(blocks) > 1
-            dtype = torch.float32 if fp32 else weight.dtype
-            grad_weight = alloc(vocab_local, hidden_size, dtype=dtype, device=device)
-        if num_tokens == 0 or vocab_local == 0 or not (need_hidden or need_weight):
-            return _result(grad_hidden), grad_weight
-        free_rows = grad_weight if len(blocks) == 1 and grad_weight is not None else None
+        grad_hidden, grads = self._grad_buffers(hidden, weight, wanted, grad_hidden_dtype, blocks)
+        if num_tokens == 0 or weight.shape[0] == 0 or not any(wanted):
+            return grads._replace(hidden=_result(grad_hidden))
+        free_rows = grads.weight if len(blocks) == 1 and grads.weight is not None else None
         chunks = _dlogits_chunks(blocks[0].stop, weight, free_rows, config)
         rows = BackwardRows(
             *(s.float().contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
-            rows.grad_logprob.float(),
+            rows.softmax_coef.float(),
             rows.grad_entropy.float(),
-            rows.target_grad.float().contiguous(),
+            *(s.float().contiguous() for s in (rows.target_grad, rows.uniform)),
         )
-        targets = targets.contiguous()
+        targets, bias = targets.contiguous(), _contiguous(bias)
         for block in blocks:
             block_hidden = hidden[block]
             for chunk, buffer in chunks:
                 d_logits = buffer[: block.stop - block.start]
                 dlogits_chunk(
-                    block_hidden, weight[chunk], targets[block], vocab_start + chunk.start,
-                    temperature, select_rows(rows, block), d_logits, config,
+                    block_hidden, weight[chunk], None if bias is None else bias[chunk],
+                    targets[block], vocab_start + chunk.start, logit, select_rows(rows, block),
+                    d_logits, config,
                 )  # fmt: skip
-                if grad_weight is not None and block.start == 0:
-                    mm_into(d_logits.T, block_hidden, out=grad_weight[chunk])
-                elif grad_weight is not None:
-                    addmm_(grad_weight[chunk], d_logits.T, block_hidden)
-                if grad_hidden is not None:
-                    grad_hidden.add(block, d_logits, weight[chunk])
-        return _result(grad_hidden), grad_weight
+                _accumulate(d_logits, block_hidden, weight, block, chunk, grads, grad_hidden)
+        return grads._replace(hidden=_result(grad_hidden))
+
+    def _grad_buffers(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        wanted: Wanted,
+        grad_hidden_dtype: torch.dtype | None,
+        blocks: list[slice],
+    ) -> tuple[RowSum | None, Grads]:
+        """The backward's gradient sums: grad_hidden's fp32 `RowSum`, grad_weight (in weight's
+        dtype, written chunk by chunk, unless several token blocks add up in fp32: a low-precision
+        sum would round once per block) and grad_bias (fp32)."""
+        (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
+        device = hidden.device
+        grad_hidden = None
+        if wanted.hidden:
+            dtype = grad_hidden_dtype or torch.float32
+            grad_hidden = RowSum(num_tokens, hidden_size, dtype, device)
+        grad_weight = grad_bias = None
+        if wanted.weight:  # every chunk writes its rows, so only T = 0 needs the zeros
+            alloc = torch.empty if num_tokens else torch.zeros
+            fp32 = self._config().grad_weight_fp32 or len(blocks) > 1
+            dtype = torch.float32 if fp32 else weight.dtype
+            grad_weight = alloc(vocab_local, hidden_size, dtype=dtype, device=device)
+        if wanted.bias:
+            grad_bias = torch.zeros(vocab_local, dtype=torch.float32, device=device)
+        return grad_hidden, Grads(None, grad_weight, grad_bias)
 
     def loss_grads_in_forward(
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         targets: torch.Tensor,
         vocab_start: int,
-        temperature: float,
+        logit: LogitOptions,
         merge: GlobalMerge,
-        grad_logprob: torch.Tensor,
-        need_hidden: bool,
-        need_weight: bool,
+        wanted: Wanted,
         grad_weight_out: torch.Tensor | None = None,
         chunk_rows: int | None = None,
-    ) -> tuple[ShardStats, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[ShardStats, Grads]:
         """See `lce.backends.torch_chunked.TorchChunkedStages.loss_grads_in_forward`.
 
         Per token chunk: logits by cuBLAS in weight's dtype (GEMM 1; rounded like the stock path's
         and the torch backend's logits), `row_stats_into`, ``merge``, `row_dlogits` in place, then
-        grad_hidden rows (GEMM 2) and the fp32 grad_weight accumulation (GEMM 3, into
-        ``grad_weight_out`` when given).
+        grad_hidden rows (GEMM 2), the fp32 grad_weight accumulation (GEMM 3, into
+        ``grad_weight_out`` when given) and grad_bias's column sums.
         """
         _check_operands(hidden, weight, targets)
-        (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
+        num_tokens, vocab_local = hidden.shape[0], weight.shape[0]
         device = hidden.device
         stats = torch.zeros(len(fields(ShardStats)), num_tokens, dtype=torch.float32, device=device)
         stats[0] = float("-inf")
-        grad_hidden = None
-        if need_hidden:  # each chunk writes its rows; an empty shard writes none
-            alloc = torch.empty if vocab_local else torch.zeros
-            grad_hidden = alloc(num_tokens, hidden_size, dtype=torch.float32, device=device)
-        grad_weight = grad_weight_out if need_weight else None
-        own_buffer = need_weight and grad_weight_out is None
-        if own_buffer:  # the first chunk writes it (no zero fill, no read); T = 0 needs zeros
-            alloc = torch.empty if num_tokens else torch.zeros
-            grad_weight = alloc(vocab_local, hidden_size, dtype=torch.float32, device=device)
+        grads = _loss_grad_buffers(hidden, weight, wanted, grad_weight_out)
+        own_buffer = wanted.weight and grad_weight_out is None
         shard_stats = ShardStats(*stats.unbind(0))
         step = chunk_rows or self.loss_chunk_rows(num_tokens, vocab_local, weight.element_size())
         buffer = torch.empty(min(step, num_tokens), vocab_local, dtype=weight.dtype, device=device)
-        targets = targets.contiguous()
+        targets, bias = targets.contiguous(), _contiguous(bias)
         for start in range(0, num_tokens, step):
             rows = slice(start, min(start + step, num_tokens))
             if vocab_local == 0:  # an empty shard still takes part in each chunk's merge
@@ -225,21 +199,18 @@ class TritonStages:
                 continue
             logits = buffer[: rows.stop - start]
             mm_into(hidden[rows], weight.T, out=logits)  # then d_logits, in place
-            row_stats_into(logits, targets[rows], vocab_start, temperature, stats[:, rows])
-            merged = merge(shard_stats, rows)
-            g_lp = grad_logprob[rows].float() / temperature
-            row_dlogits(
-                logits, logits, targets[rows], vocab_start, temperature,
-                merged.max.contiguous(), merged.log_sumexp.contiguous(), (-g_lp).contiguous(),
-                (g_lp * merged.target_complement).contiguous(),
-            )  # fmt: skip
-            if grad_hidden is not None:
-                mm_into(logits, weight, out=grad_hidden[rows])
+            row_stats_into(logits, bias, targets[rows], vocab_start, logit, stats[:, rows])
+            merged = _scaled(merge(shard_stats, rows), logit.dlogit_scale)
+            row_dlogits(logits, logits, bias, targets[rows], vocab_start, logit, merged)
+            if grads.hidden is not None:
+                mm_into(logits, weight, out=grads.hidden[rows])
             if own_buffer and start == 0:
-                mm_into(logits.T, hidden[rows], out=grad_weight)
-            elif grad_weight is not None:
-                addmm_(grad_weight, logits.T, hidden[rows])
-        return shard_stats, grad_hidden, grad_weight
+                mm_into(logits.T, hidden[rows], out=grads.weight)
+            elif grads.weight is not None:
+                addmm_(grads.weight, logits.T, hidden[rows])
+            if grads.bias is not None:
+                grads.bias.add_(logits.sum(dim=0, dtype=torch.float32))
+        return shard_stats, grads
 
     def loss_chunk_rows(self, num_tokens: int, vocab_local: int, itemsize: int) -> int:
         """Token rows per logits chunk: at most ``loss_chunk_bytes`` worth, the chunks of one
@@ -253,6 +224,61 @@ class TritonStages:
 
 def _result(grad_hidden: RowSum | None) -> torch.Tensor | None:
     return None if grad_hidden is None else grad_hidden.result()
+
+
+def _contiguous(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.contiguous()
+
+
+def _accumulate(
+    d_logits: torch.Tensor,
+    block_hidden: torch.Tensor,
+    weight: torch.Tensor,
+    block: slice,
+    chunk: slice,
+    grads: Grads,
+    grad_hidden: RowSum | None,
+) -> None:
+    """One d_logits chunk's share of every gradient: grad_weight's chunk rows (written by the
+    first token block, added to by the others), grad_hidden's block rows, grad_bias's chunk."""
+    if grads.weight is not None and block.start == 0:
+        mm_into(d_logits.T, block_hidden, out=grads.weight[chunk])
+    elif grads.weight is not None:
+        addmm_(grads.weight[chunk], d_logits.T, block_hidden)
+    if grad_hidden is not None:
+        grad_hidden.add(block, d_logits, weight[chunk])
+    if grads.bias is not None:  # the same rounded d_logits the GEMMs take
+        grads.bias[chunk] += d_logits.sum(dim=0, dtype=torch.float32)
+
+
+def _loss_grad_buffers(
+    hidden: torch.Tensor, weight: torch.Tensor, wanted: Wanted, grad_weight_out: torch.Tensor | None
+) -> Grads:
+    """The 3-GEMM loss's fp32 gradients: grad_hidden (each chunk writes its rows; an empty shard
+    writes none), grad_weight (``grad_weight_out``, or a buffer the first chunk writes; T = 0
+    needs zeros) and grad_bias."""
+    (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
+    fp32 = dict(dtype=torch.float32, device=hidden.device)
+    grad_hidden = grad_weight = grad_bias = None
+    if wanted.hidden:
+        alloc = torch.empty if vocab_local else torch.zeros
+        grad_hidden = alloc(num_tokens, hidden_size, **fp32)
+    if wanted.weight:
+        alloc = torch.empty if num_tokens else torch.zeros
+        own = grad_weight_out is None
+        grad_weight = alloc(vocab_local, hidden_size, **fp32) if own else grad_weight_out
+    if wanted.bias:
+        grad_bias = torch.zeros(vocab_local, **fp32)
+    return Grads(grad_hidden, grad_weight, grad_bias)
+
+
+def _scaled(rows: BackwardRows, scale: float) -> BackwardRows:
+    """``rows`` for `row_dlogits`: contiguous fp32, the ``d_z`` coefficients times ``scale``."""
+    return BackwardRows(
+        *(s.contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
+        *((s.float() * scale).contiguous() for s in (rows.softmax_coef, rows.grad_entropy)),
+        *((s.float() * scale).contiguous() for s in (rows.target_grad, rows.uniform)),
+    )
 
 
 def chunk_width(num_tokens: int, vocab_local: int, itemsize: int, budget: int, block_v: int) -> int:

@@ -104,3 +104,48 @@ def round_bf16_rne(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def tanh_and_slope(x):
+    """``(tanh(x), 1 - tanh(x)^2)`` in fp32, both to a few ulps (relative), from ``exp`` alone.
+
+    Triton's interpreter has no libdevice, so one formula serves both modes: Cephes' odd
+    polynomial below |x| = 0.625, else ``1 - q`` with ``q = 2 e / (1 + e)``, ``e = exp(-2|x|)``
+    (never overflows), where ``1 - tanh^2 = q (2 - q)`` keeps its relative precision in
+    saturation (``1 - t*t`` from a rounded ``t`` near 1 would not). Written with explicit
+    `tl.fma`, so kernels compiled with and without FMA contraction round ``tanh`` alike.
+    """
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    q = (2.0 * e) / (1.0 + e)
+    small = ax < 0.625
+    xs = tl.where(small, x, 0.0)  # the polynomial's branch, kept finite where it is not taken
+    z = xs * xs
+    poly = tl.fma(-5.70498872745e-3, z, 2.06390887954e-2)
+    poly = tl.fma(poly, z, -5.37397155531e-2)
+    poly = tl.fma(poly, z, 1.33314422036e-1)
+    poly = tl.fma(poly, z, -3.33332819422e-1)
+    near = tl.fma(xs, poly * z, xs)
+    far = tl.where(x < 0, q - 1.0, 1.0 - q)
+    t = tl.where(small, near, far)
+    slope = tl.where(small, (1.0 - near) * (1.0 + near), q * (2.0 - q))
+    return t, slope
+
+
+@triton.jit
+def logit_map(acc, bias, cap_scale, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The logit map of `lce.options.LogitOptions` on fp32 raw dots ``acc``: ``(r, slope)``.
+
+    ``r``, the raw units the statistics centre on: ``a + b``, or with a softcap
+    ``tanh(cap_scale (a + b))`` (``cap_scale = s / cap``); ``slope``: ``dz/da`` over
+    ``s / T``, i.e. 1, or ``1 - tanh^2``. ``bias`` broadcasts against ``acc`` (read only when
+    ``HAS_BIAS``). Every kernel maps its lanes here, so forward, backward and the loss rows agree
+    bit for bit.
+    """
+    slope = 1.0
+    if HAS_BIAS:
+        acc = acc + bias
+    if SOFTCAP:
+        acc, slope = tanh_and_slope(acc * cap_scale)
+    return acc, slope

@@ -43,6 +43,13 @@ Row = dict[str, str]  # feature -> value
 # property (which folds T into hidden exactly) judges the rows that carry it.
 OTHER_TEMPERATURE = 0.5
 CHUNKED = 2  # the chunk size of a "chunked" row: several chunks of its tokens
+# The value each model option (`lce.LogitOptions`, the bias) is realized with where a row has it:
+# a scale among the generator's, a cap the row's logits bend against (the normal regime's reach
+# ~4-10), a bias of a few logits' deviation (within every dtype's `LOGIT_BOUND`),
+# PaLM's z-loss coefficient times 100 (so its term shows in a 16-bit loss), a common smoothing.
+OPTION_VALUES = {
+    "logit_scale": 0.5, "softcap": 5.0, "bias": 0.5, "z_loss": 1e-2, "label_smoothing": 0.1,
+}  # fmt: skip
 PAIR_OF_KEY = {h if h == w else f"{h}_{w}": (h, w) for h, w in DTYPE_PAIRS}
 
 
@@ -142,6 +149,11 @@ FEATURES: tuple[CoverageFeature, ...] = (
     _flag("inputs", "batch", "2-D", "3-D", 2, 0),
     _flag("tied", "tied", "untied", "tied", True, False),
     _flag("temperature", "temperature", "1", "!=1", OTHER_TEMPERATURE, 1.0),
+    _flag("logit_scale", "logit_scale", "1", "!=1", OPTION_VALUES["logit_scale"], 1.0),
+    _flag("softcap", "softcap", "none", "capped", OPTION_VALUES["softcap"]),
+    _flag("bias", "bias", "none", "biased", OPTION_VALUES["bias"], 0.0),
+    _flag("z_loss", "z_loss", "0", ">0", OPTION_VALUES["z_loss"], 0.0),
+    _flag("label_smoothing", "label_smoothing", "0", ">0", OPTION_VALUES["label_smoothing"], 0.0),
     _flag("chunking", "chunk_size", "default", "chunked", CHUNKED),
     CoverageFeature("grad_hidden", ("summed", "partial"),
                     lambda s: "summed" if s.reduce_hidden else "partial", _grad_hidden),
@@ -196,27 +208,32 @@ def greedy_rows(
     candidates: int = 8,
     max_rows: int = 200,
     rng: random.Random | None = None,
-) -> list[Row]:
+) -> tuple[list[Row], set[Target]]:
     """Rows (one value per feature of ``domains``) until every pair each judge of ``wanted``
     wants is gained, AETG-style: each round makes ``candidates`` rows, each from the values
     ``start`` gives a target not yet gained (its pair, and whatever else its judge needs),
     choosing every other feature's value, in a random order, to complete the most pairs still
     wanted (counted once per judge) with the values chosen before it, never an ``invalid`` pair;
     the candidate that gains the most (``gains``: what a row's case gives each judge, which may
-    depend on the whole row) is kept. Stops when all are gained, when a round gains none, or at
-    ``max_rows``."""
+    depend on the whole row) is kept. A target started from in `GIVE_UP` rounds that gained
+    nothing is given up (no row its judge judges carries the pair, e.g. chunk invariance needs
+    two tokens, which a 2-D row with T = 1 lacks). Stops when every target is gained or given
+    up, or at ``max_rows``. Returns the rows and the targets given up."""
     rng = rng or random.Random(0)
     left = {who: set(pairs) for who, pairs in wanted.items() if pairs}
     ordered = sorted((who, p) for who, pairs in left.items() for p in pairs)
     rows: list[Row] = []
+    misses: Counter[Target] = Counter()
+    given_up: set[Target] = set()
     while left and len(rows) < max_rows:
         need: Counter[Pair] = Counter()
         for pairs in left.values():
             need.update(pairs)
         ordered = [(who, p) for who, p in ordered if who in left and p in left[who]]
         best: tuple[int, Row, Wanted] | None = None
-        for _ in range(candidates):
-            row = _candidate(domains, start(rng.choice(ordered), rng), need, invalid, rng)
+        started = [rng.choice(ordered) for _ in range(candidates)]
+        for target in started:
+            row = _candidate(domains, start(target, rng), need, invalid, rng)
             if row is None:
                 continue
             got = gains(row)
@@ -224,14 +241,25 @@ def greedy_rows(
             if best is None or gained > best[0]:
                 best = (gained, row, got)
         if best is None or best[0] == 0:
-            break
+            misses.update(started)
+            for who, p in {t for t in started if misses[t] >= GIVE_UP}:
+                given_up.add((who, p))
+                _drop(left, who, {p})
+            continue
         rows.append(best[1])
         for who, pairs in best[2].items():
-            if who in left:
-                left[who] -= pairs
-                if not left[who]:
-                    del left[who]
-    return rows
+            _drop(left, who, pairs)
+    return rows, given_up
+
+
+GIVE_UP = 3  # fruitless rounds started from a target before it is given up
+
+
+def _drop(left: Wanted, who: str, pairs: set[Pair]) -> None:
+    if who in left:
+        left[who] -= pairs
+        if not left[who]:
+            del left[who]
 
 
 def _candidate(

@@ -69,13 +69,15 @@ def _fields(verdict: Any) -> tuple[str, Any, str]:
 def universe(record: dict[str, Any], prop: str) -> set[Pair]:
     """The pairs property ``prop`` counts in a slice of plan ``record``: pairs of values of two
     features with more than one supported value, neither outside the property's scope, at least
-    one of a feature that selects its cases (any, when none does), no invalid pair."""
+    one of a feature that selects its cases (any, when none does), no invalid pair and none the
+    property judges on no case (``unjudged``)."""
     domains = {name: tuple(values) for name, values in record["features"].items()}
     scope = record["properties"].get(prop)
     if scope is None:
         return set()
     outside = {tuple(v.split("=", 1)) for v in scope["outside"]}
     invalid = {item["pair"] for item in record["invalid"]}
+    invalid |= set(scope.get("unjudged", ()))
     selects = set(scope["selects"])
     varying = [name for name, values in domains.items() if len(values) > 1]
     out = set()
@@ -110,6 +112,7 @@ def to_json(tally: CoverageTally, slices: list[dict[str, Any]]) -> list[dict[str
                 "supported": len(counted),
                 "not_reached": [{"pair": text, "reason": reason} for text in missing],
                 "outside": record["properties"][prop]["outside"],
+                "unjudged": record["properties"][prop].get("unjudged", []),
             })  # fmt: skip
         out.append({
             "backend": backend, "tp": tp, "rows": record["rows"],

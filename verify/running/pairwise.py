@@ -53,7 +53,9 @@ class SlicePlan:
     domains: dict[str, tuple[str, ...]]
     unsupported: dict[Value, str]  # value -> reason
     invalid: dict[Pair, str]  # pair of supported values -> why no case has both
-    scopes: dict[str, dict[str, Any]]  # property -> {"outside": [values], "selects": [features]}
+    # property -> {"outside": [values], "selects": [features], "unjudged": [pairs]}: unjudged,
+    # pairs of values in its scope that no case it judges carries together (given up by the plan)
+    scopes: dict[str, dict[str, Any]]
     rows: list[CaseSpec] = field(default_factory=list)
 
     def record(self) -> dict[str, Any]:
@@ -168,10 +170,12 @@ def plan_slice(
                 row[feature] = rng.choice(inside)
         return row
 
-    rows = coverage.greedy_rows(
+    rows, given_up = coverage.greedy_rows(
         domains, wanted, gains, set(invalid), start, candidates=CANDIDATES,
         rng=random.Random(PLAN_SEED),
     )  # fmt: skip
+    for name, p in sorted(given_up):
+        plan.scopes[name].setdefault("unjudged", []).append(coverage.pair_text(p))
     plan.rows = [spec.with_(seed=index) for index, row in enumerate(rows)
                  if not isinstance(spec := where.spec(row), str)]  # fmt: skip
     return plan
@@ -250,10 +254,11 @@ def _broad_rows(
             return {}
         return {"*": coverage.pairs_of(row)}
 
-    return coverage.greedy_rows(
+    rows, _ = coverage.greedy_rows(
         domains, {"*": wanted - set(invalid)}, gains, set(invalid), candidates=CANDIDATES,
         rng=random.Random(PLAN_SEED),
     )  # fmt: skip
+    return rows
 
 
 def _scope(

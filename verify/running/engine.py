@@ -164,8 +164,7 @@ def run_property(
     `verify.running.profiles`. ``seed`` randomizes a derandomized profile (fresh examples per seed).
     Never raises on a property failure: the result carries the (shrunk unless ``shrink=False``)
     failing verdicts. ``examples`` run first (e.g. `verify.cases.strategies.landmark_specs`);
-    several
-    of them failing, or a profile reporting several distinct bugs, give ``other_failures``.
+    several of them failing, or a profile reporting several distinct bugs, give ``other_failures``.
 
     When Hypothesis reports several failures at once (an exception group: failing explicit
     examples, distinct bugs, a flaky failure), every one comes back: property failures as
@@ -176,27 +175,18 @@ def run_property(
     past ``deadlines[0]`` while nothing has failed, or past ``deadlines[1]`` once something has
     (shrinking may run longer than searching), or at the engine's next candidate past it
     (`deadline_in_engine`: between examples); the result is then ``stopped``, with the latest
-    failing verdicts unshrunk. The ``examples`` run until ``explicit_until`` (default
-    ``deadlines[1]``): they are the search's planned coverage (landmarks, covering rows), worth
-    more than its random draws; ``result.explicit_run`` says how many ran.
-    ``first_failure_only``: the search ends at its first failure (no further explicit
-    examples, one bug reported), as the self-test's fast mode wants. ``explicit_failure_ends``:
-    an explicit example's failure ends the search (unshrunk, as Hypothesis reports it), so the
-    caller can reduce it while there is time and go on with the examples after it.
-    """
+    failing verdicts unshrunk. The ``examples`` (planned coverage: landmarks, covering rows)
+    run until ``explicit_until`` (default ``deadlines[1]``); ``result.explicit_run`` counts them.
+    ``first_failure_only``: one bug reported, the search ends at it (the self-test's fast mode).
+    ``explicit_failure_ends``: an explicit example's failure ends the search unshrunk, so the
+    caller reduces it and goes on with the examples after it."""
     names = [name] if isinstance(name, str) else list(name)
-    for n in names:
-        get(n)
+    _ = [get(n) for n in names]  # an unknown name raises before any example
     runner = runner or Runner()
     if strategy is None:
         strategy = case_specs(tp_sizes=runner.tp_sizes)
     result = SearchResult(",".join(names))
-    base = profile_settings(profile, max_examples=max_examples, seed=seed)
-    if not shrink:
-        base = settings(base, phases=[p for p in base.phases if p != Phase.shrink])
-    if first_failure_only:
-        base = settings(base, report_multiple_bugs=False)
-
+    base = _search_settings(profile, max_examples, seed, shrink, first_failure_only)
     examples = list(examples)
     explicit = [len(examples)]  # explicit examples not yet run: Hypothesis runs them first
 
@@ -233,6 +223,19 @@ def run_property(
         _outcome(result, search)
     result.seconds = time.perf_counter() - began
     return result
+
+
+def _search_settings(
+    profile: str, max_examples: int | None, seed: int | None, shrink: bool, first_only: bool
+) -> settings:
+    """The profile's settings, without the shrink phase unless ``shrink``, reporting one bug
+    when ``first_only``."""
+    base = profile_settings(profile, max_examples=max_examples, seed=seed)
+    if not shrink:
+        base = settings(base, phases=[p for p in base.phases if p != Phase.shrink])
+    if first_only:
+        base = settings(base, report_multiple_bugs=False)
+    return base
 
 
 def _example(

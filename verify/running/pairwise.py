@@ -31,11 +31,12 @@ from verify.cases.spec import DTYPE_PAIRS, CaseSpec
 from verify.properties.catalog import get
 from verify.results.coverage_report import universe
 
-# What every covering row is made of besides its feature values: a few tokens, a hidden size
-# wide enough that the statistical tier of `verify.numerics.compare` has degrees of freedom on
-# both gradients (H - tokens per grad_weight row, H - V per grad_hidden row), a vocabulary that
-# is no tile multiple. Small enough that a row costs what a landmark does.
-ROW_BASE = {"tokens": 6, "hidden_size": 64, "vocab": 13, "upstream": "random"}
+# What every covering row is made of besides its feature values: a hidden size and token count
+# that give the statistical tier of `verify.numerics.compare` its 256 degrees of freedom on both
+# gradients (H - V per grad_hidden row: 8 x 83 at TP = 1, still > 256 with half the rows ignored;
+# at H = 64 and 6 tokens the TP-partials mutant survived 66 rows, each under 256), a vocabulary
+# that is no tile multiple. Small enough that a row costs what a landmark does.
+ROW_BASE = {"tokens": 8, "hidden_size": 96, "vocab": 13, "upstream": "random"}
 CANDIDATES = 6  # candidate rows per greedy round (more: slightly fewer rows, slower plan)
 PLAN_SEED = 0  # the rows' values do not depend on the campaign's seed (their data does)
 NOT_CLAIMED = "not claimed"

@@ -177,8 +177,11 @@ def plan_slice(
     )  # fmt: skip
     for name, p in sorted(given_up):
         plan.scopes[name].setdefault("unjudged", []).append(coverage.pair_text(p))
-    plan.rows = [spec.with_(seed=index) for index, row in enumerate(rows)
-                 if not isinstance(spec := where.spec(row), str)]  # fmt: skip
+    specs = [spec.with_(seed=index) for index, row in enumerate(rows)
+             if not isinstance(spec := where.spec(row), str)]  # fmt: skip
+    # The empty batch and T = 1 first, as the generator draws its simplest sizes first: a kernel
+    # that fails on them is found at once, before the slice's share runs out.
+    plan.rows = sorted(specs, key=lambda spec: min(spec.tokens, 2))
     return plan
 
 

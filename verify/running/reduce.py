@@ -62,8 +62,9 @@ def reduce_failure(
                 failed = _failing(check, candidate, wanted)
             except (BudgetExhausted, InfraFault):  # no time, or no workers: what it has
                 return current, verdicts
-            if failed:
+            if failed:  # the moves from here on: a larger value of this field is no move now
                 current, verdicts, moved = candidate, failed, True
+                break
     return current, verdicts
 
 

@@ -92,7 +92,7 @@ def test_installed_harness_takes_a_users_tolerance_file(installed: Path, tmp_pat
         assert done.returncode == 2, done.stdout + done.stderr
         assert done.stderr.strip() == (
             f"lce-verify replay: error: {mine}: unknown key(s) ['extra'] in the top level; "
-            "allowed: ('schema', 'dtypes', 'exact')"
+            "allowed: ('schema', 'dtypes', 'exact', 'statistical')"
         )
 
 

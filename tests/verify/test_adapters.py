@@ -63,7 +63,10 @@ def test_torch_peer_through_its_adapter_under_ci_profile(tmp_path: Path) -> None
 def test_broken_third_party_impl_is_caught_and_replays(tmp_path: Path) -> None:
     doc = _campaign(tmp_path, BROKEN, properties=("differential",))
     assert doc["outcome"] == "failed"
-    artifact = load(doc["failures"][0]["artifact"])
+    # Its other weakness, fp32 log-probs as logsumexp - z_y (cancelling on peaked rows: 21x the
+    # envelope on grad_weight), may come first: the planted bug is among the findings.
+    found = [load(f["artifact"]) for f in doc["failures"]]
+    (artifact, *_) = [a for a in found if a.spec.ignore != "none"]
     spec = artifact.spec
     assert spec.reduction == "mean" and spec.ignore != "none"  # the bug's trigger, shrunk
     assert artifact.record["impl"] == BROKEN and artifact.record["shrunk"]

@@ -29,12 +29,13 @@ def test_two_searches_report_as_one_slice(tmp_path):
     assert doc["errors"] == [] and doc["failures"] == []
     (row,) = doc["slices"]
     assert (row["backend"], row["tp"], row["status"]) == ("lce-torch", 1, "done")
-    # Search 0 ran the status examples, the landmarks and 3 valid ones; search 1 the landmarks
-    # and its own 3 valid ones.
+    # Search 0 ran the status examples, the landmarks, the covering rows and 3 valid ones;
+    # search 1 the landmarks, the rows and its own 3 valid ones.
     counts = {c["property"]: 0 for c in doc["counts"]}
     for c in doc["counts"]:
         counts[c["property"]] += c["examples"]
-    valid = 2 * (len(landmarks_at(1, "torch")) + 3)
+    (coverage,) = doc["coverage"]
+    valid = 2 * (len(landmarks_at(1, "torch")) + coverage["rows"] + 3)
     assert counts == {"status": 3, "differential": valid}
     assert row["examples"] == doc["examples"] == valid + 3
     timing = {r["kind"]: r for r in doc["timing"]}

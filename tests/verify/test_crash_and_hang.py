@@ -2,7 +2,8 @@
 case runs in a worker, its fault is confirmed on a fresh one, shrunk and saved, the other
 properties go on, the run ends within its budget plus the per-example deadline with exit 1, and
 `replay` reproduces the fault in a worker process. The misbehaving kernels
-(`tests.helpers.misbehaving_impl`) hang or abort on an empty batch, at TP 1 and TP 2."""
+(`tests.helpers.misbehaving_impl`) hang or abort on an empty batch, at TP 1 and TP 2 (a pairwise
+covering row has T = 0)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from verify.adapters.registry import resolve
+from verify.cases.spec import CaseSpec
 from verify.cli import EXIT_FAIL
+from verify.running.search import trigger
 
 pytest_plugins = ["pytester"]
 
@@ -50,12 +54,16 @@ def test_a_hang_or_a_crash_is_a_finding_that_replays(impl: str, tmp_path: Path) 
     assert doc["errors"] == [], doc["errors"]  # the implementation's fault, not the machine's
     findings = {f["tp"]: f for f in doc["failures"] if f["tier"] == KINDS[impl]}
     assert sorted(findings) == [1, 2], doc["failures"]  # each slice found it, and went on
+    adapter = resolve(f"tests.helpers.misbehaving_impl:{impl}")
     for tp, finding in findings.items():
         assert finding["output"] == "process"
         record = json.loads(Path(finding["artifact"]).read_text())
         assert record["spec"]["tokens"] == 0 and record["spec"]["tp"] == tp
         assert record["impl"].endswith(impl)
-        assert record["shrunk"] is True  # the first generated case was the simplest already
+        # Found on a pairwise covering row with T = 0 (a planned example, which Hypothesis does
+        # not shrink) or a generated one, and reduced: every other field at its simplest.
+        spec = CaseSpec.from_json(json.dumps(record["spec"]))
+        assert trigger(adapter, spec.with_(tp=1)) == {"tokens": 0}
     ran = {row["property"] for row in doc["counts"] if row["examples"] > 1}
     assert set(PROPERTIES.split(",")) <= ran  # the other cases and properties still ran
     replayed = _verify("replay", findings[2]["artifact"], timeout=120)

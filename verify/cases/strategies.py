@@ -83,6 +83,18 @@ def seeds() -> st.SearchStrategy[int]:
 OFFSETS = {"offset": (10.0, -10.0, 100.0, -1e3, 1e4), "negative": (0.0, 10.0)}
 
 
+def regime_offsets(dtype_key: str) -> dict[str, list[float]]:
+    """The regimes drawn at a dtype key, each with its offsets (simplest first), within
+    `LOGIT_BOUND`: a regime whose offsets all lie beyond the bound is not drawn there."""
+    bound = LOGIT_BOUND[dtype_key]
+    offsets = {"normal": [0.0], "peaked": [0.0]}
+    if bound >= 100:
+        offsets["negative"] = [c for c in OFFSETS["negative"] if 100 + abs(c) + 50 <= bound]
+        offsets["offset"] = [c for c in OFFSETS["offset"] if abs(c) <= bound - 40]
+        offsets["spread"] = [0.0]
+    return {regime: allowed for regime, allowed in offsets.items() if allowed}
+
+
 @st.composite
 def logit_regimes(draw: st.DrawFn, dtype_key: str) -> tuple[str, float, float]:
     """``(regime, scale, offset)`` within `LOGIT_BOUND` of the dtype (normal first).
@@ -93,12 +105,8 @@ def logit_regimes(draw: st.DrawFn, dtype_key: str) -> tuple[str, float, float]:
     every enclosing span: with the offset drawn for two regimes only, that cost 58,000
     overrunning attempts (55 of 84 s) in a 577-example nightly-profile search on the CPU."""
     bound = LOGIT_BOUND[dtype_key]
-    offsets = {"normal": [0.0], "peaked": [0.0]}
-    if bound >= 100:
-        offsets["negative"] = [c for c in OFFSETS["negative"] if 100 + abs(c) + 50 <= bound]
-        offsets["offset"] = [c for c in OFFSETS["offset"] if abs(c) <= bound - 40]
-        offsets["spread"] = [0.0]
-    regime = draw(st.sampled_from([r for r, allowed in offsets.items() if allowed]))
+    offsets = regime_offsets(dtype_key)
+    regime = draw(st.sampled_from(list(offsets)))
     scale = draw(st.sampled_from([s for s in (1.0, 0.3, 3.0, 10.0) if 4 * s + 10 <= bound]))
     allowed = offsets[regime]
     return regime, scale, allowed[draw(st.integers(0, 4)) % len(allowed)]

@@ -18,6 +18,7 @@ import lce
 import lce.api
 import lce.autograd
 import lce.backends.torch_chunked as torch_chunked
+import lce.grad_buffer
 import lce.loss_pass
 import lce.loss_terms
 import lce.tp
@@ -300,6 +301,55 @@ def _cast_in_place(hidden, weight, bias, targets, plan):
     return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, bias, targets, plan)
 
 
+def _scaled_in_input_dtype(grad, factor, dtype):
+    # TE #3193: the gradient stored in the input dtype, then scaled by the upstream in that dtype:
+    # two roundings where the fp32 product rounds once.
+    low = grad.to(dtype)
+    return low * factor.to(dtype)
+
+
+def _scaled_in_place(grad, factor, dtype):
+    # Liger's element_mul, quack #209: the saved gradient scaled where it lies (untracked, as a
+    # kernel writing its input is), so a second backward scales it again.
+    grad.data.mul_(factor)
+    return grad.to(dtype, copy=True)
+
+
+class PartialsRounded(MutantStages):
+    """Megatron #2739 family: each rank's fp32 partial grad_hidden rounded to the GEMMs' dtype
+    (bf16 in a bf16 model) before the TP sum (4-GEMM backward; `_loss_pass_partials_rounded`
+    bends the 3-GEMM loss pass alike)."""
+
+    def backward_grads(self, *args, **kwargs):
+        grads = self.inner.backward_grads(*args, **kwargs)
+        weight = args[1]
+        # grad_hidden in fp32 is a partial for the TP sum (in the output's dtype: summed no more)
+        if grads.hidden is not None and grads.hidden.dtype != weight.dtype:
+            grads = grads._replace(hidden=grads.hidden.to(weight.dtype).to(grads.hidden.dtype))
+        return grads
+
+
+def _loss_pass_partials_rounded(loss_pass):
+    def rounded(stages, hidden, weight, bias, targets, shard, *rest, **options):
+        out = loss_pass(stages, hidden, weight, bias, targets, shard, *rest, **options)
+        partial = out.grads.hidden
+        if partial is not None and shard.group is not None:
+            partial.copy_(partial.to(weight.dtype))
+        return out
+
+    return rounded
+
+
+@contextlib.contextmanager
+def _round_tp_partials() -> Iterator[None]:
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(_wrap_stages(PartialsRounded)())
+        for module in (lce.autograd, lce.grad_buffer):
+            rounded = _loss_pass_partials_rounded(module.loss_pass)
+            patches.enter_context(mock.patch.object(module, "loss_pass", rounded))
+        yield
+
+
 _ORIGINAL_LCE = lce.api.linear_cross_entropy
 _ORIGINAL_TOKEN_OUTPUTS = lce.api._token_outputs
 _ORIGINAL_TOKEN_LOSS = lce.loss_terms.token_loss
@@ -343,6 +393,14 @@ MUTANTS: dict[str, Mutant] = {
                _wrap_stages(Int32Wrap)),
         Mutant("hidden_cast_not_undone", "hidden's cast to weight's dtype done in place",
                lambda: mock.patch.object(lce.api, "_token_outputs", _cast_in_place)),
+        Mutant("grad_rounded_twice",
+               "fast loss: saved gradient rounded to the input dtype, then scaled there",
+               lambda: mock.patch.object(lce.autograd, "scaled_copy", _scaled_in_input_dtype)),
+        Mutant("tp_partials_rounded", "partial grad_hidden rounded to bf16 (the GEMMs' dtype) "
+               "before the TP sum", _round_tp_partials, min_tp=2),
+        Mutant("saved_grads_scaled_in_place",
+               "fast loss: backward scales its saved gradients in place (twice on a 2nd backward)",
+               lambda: mock.patch.object(lce.autograd, "scaled_copy", _scaled_in_place)),
         # Model options (`lce.LogitOptions`): each mutant bends one option the way ports get it
         # wrong; it changes nothing on a case without that option.
         Mutant("cap_after_temperature", "softcap applied to s*a/T instead of s*a (order swapped)",

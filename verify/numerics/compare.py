@@ -1,8 +1,10 @@
-"""The three-tier comparison of one output against the reference R and the baseline B.
+"""The comparison of one output against the reference R and the baseline B, tier by tier.
 
-Tier 1 (ratio) and tier 2 (envelope) as in tolerances.yaml; a `Verdict` keeps every tier's
-measured and allowed value and names the one closest to (or furthest over) its line, so a report
-shows how close each output sits and a caller reads a tier instead of measuring it again.
+Tier 1 (ratio) and tier 2 (envelope) bound each element as in tolerances.yaml; the statistical
+tier (`statistical_tier`) judges the whole output's rounding noise against one rounding's; a
+`Verdict` keeps every tier's measured and allowed value and names the one closest to (or furthest
+over) its line, so a report shows how close each output sits and a caller reads a tier instead of
+measuring it again.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verify.numerics.tolerances import Tolerance
+from verify.numerics.tolerances import Statistical, Tolerance
 
 
 def ratio(measured: float, allowed: float) -> float:
@@ -28,11 +30,12 @@ def ratio(measured: float, allowed: float) -> float:
 @dataclass(frozen=True)
 class Tier:
     """One check: ``name`` is ``ratio`` (tier 1; a max and a mean check), ``envelope`` (tier 2),
-    ``nonfinite`` (NaN/inf pattern) or ``exact``."""
+    ``statistical`` (the rounding noise), ``nonfinite`` (NaN/inf pattern) or ``exact``."""
 
     name: str
     measured: float
     allowed: float
+    note: str = ""  # how the tier measured (the statistical tier's degrees of freedom, B's)
 
     @property
     def ratio(self) -> float:
@@ -112,6 +115,7 @@ def compare(
     logit_scale: torch.Tensor | None = None,
     extra: torch.Tensor | None = None,
     roundings: int = 1,
+    rounding: RoundingModel | None = None,
 ) -> Verdict:
     """Check ``kernel`` against ``ref`` (float64) under ``tol``; ``base`` is B's value or None
     (then tier 1 is not checked).
@@ -133,7 +137,10 @@ def compare(
     > 1 a partial grad_hidden per rank plus the rounding of their sum). Each rounding is off by
     up to u|x| (in the floor and ``logit_scale``) plus half the dtype's smallest subnormal, which
     no relative term covers: an fp16 gradient near 1e-4 has an absolute spacing of 6e-8, so four
-    partials rounded there each lose up to 3e-8 whatever the magnitude of the whole."""
+    partials rounded there each lose up to 3e-8 whatever the magnitude of the whole.
+
+    ``rounding``: the statistical tier's model of the output (`statistical_tier`); without it,
+    or for an output not in a 16-bit dtype, that tier is not checked."""
     k = kernel.detach().to(torch.float64).reshape(-1)
     r = ref.detach().to(torch.float64).reshape(-1)
     if k.shape != r.shape:
@@ -166,5 +173,130 @@ def compare(
         + torch.linalg.vector_norm(z).item()
     )
     tiers.append(Tier("envelope", torch.linalg.vector_norm(k - r).item(), norm_allowed))
-    detail = ", ".join(f"{t.name}: {t.measured:.3g} <= {t.allowed:.3g}" for t in tiers)
+    if rounding is not None and kernel.dtype in NOISE_DTYPES:
+        shape = (-1, rounding.span.shape[0])
+        other = None if base is None else base.detach().to(torch.float64).reshape(shape)
+        noise = statistical_tier(
+            kernel.detach().to(torch.float64).reshape(shape), ref.detach().to(torch.float64)
+            .reshape(shape), other, kernel.dtype, rounding,
+        )  # fmt: skip
+        tiers += [noise] if noise is not None else []
+    detail = ", ".join(f"{t.name}: {t.measured:.3g} <= {t.allowed:.3g}{t.note}" for t in tiers)
     return Verdict(output, tuple(tiers), detail)
+
+
+# Outputs whose rounding the statistical tier judges: in fp32 and fp64 the accumulation's own
+# roundings are as large as the output's, so one more is no signal (tiers 1-2 bound them closely).
+NOISE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class RoundingModel:
+    """What the statistical tier knows of a 2-D output ``[N, H]`` besides K, R and B (built per
+    case by `verify.properties.rounding_model`).
+
+    ``span`` ``[H, r]``: columns spanning every row's error from *before* the output's GEMM
+    (each grad_weight row is a combination of hidden's rows, each grad_hidden row of weight's,
+    whatever d_logits the implementation computed: any error of its logits, softmax or
+    d_logits lands inside). ``accumulation`` ``[N, H]``: a bound on each element's summation
+    error in the accumulation dtype, which lands outside. ``extra_variance`` ``[N, H]`` or None:
+    the variance of roundings the case adds besides the output's own (partial grad_hidden per
+    rank rounded before their sum). ``tolerance``: the tier's numbers (tolerances.yaml)."""
+
+    span: torch.Tensor
+    accumulation: torch.Tensor
+    extra_variance: torch.Tensor | None
+    tolerance: Statistical
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` at each |x| (its subnormal spacing below the smallest normal)."""
+    info = torch.finfo(dtype)
+    binade = torch.floor(torch.log2(x.abs().clamp_min(info.smallest_normal)))
+    return torch.exp2(binade) * info.eps
+
+
+def statistical_tier(
+    kernel: torch.Tensor,
+    ref: torch.Tensor,
+    base: torch.Tensor | None,
+    dtype: torch.dtype,
+    model: RoundingModel,
+) -> Tier | None:
+    """The rounding noise of ``kernel`` (float64 ``[N, H]``, returned in ``dtype``) against one
+    rounding's; None when too few error components lie outside the span (below
+    ``min_dof``: the tier could not tell one rounding from two there).
+
+    Each element's error ``K - R`` is scaled by ``sigma``, one round-to-nearest's standard
+    deviation at its magnitude (``ulp / sqrt(12)``, a uniform residue; plus ``extra_variance``),
+    and each row's scaled error is projected off the span of what errors before the GEMM can
+    produce: what is left is the output's own rounding (and the accumulation's, bounded),
+    whatever the logits' precision. One rounding leaves ``d`` (the degrees of freedom) in
+    expectation; a second of the same size doubles it. Measured: ``rho = |P e|^2 / d``.
+    Allowed: the one-rounding bound that holds but with probability ``exp(-x)``, ``(1 + 2
+    sqrt(x F) / d + 2 x / d)`` (a Gaussian quadratic form's tail, which bounds the uniform
+    residues' too: they are strictly sub-Gaussian), the accumulation's bound added through the
+    triangle inequality, times ``1 + margin`` for residues that are not uniform (a pre-rounding
+    value two bits longer than the output leaves 1.125x the variance), and times B's own
+    ``rho`` where B's exceeds 1 (a case whose single rounding the model underrates, B shows it
+    too). tolerances.yaml (``statistical``) derives each number."""
+    tol = model.tolerance
+    sizes = [kernel.abs(), ref.abs()] + ([base.abs()] if base is not None else [])
+    variance = ulp(torch.stack(sizes).amax(0), dtype).pow(2) / 12
+    exact = torch.stack(sizes).amax(0) == 0  # zeros everywhere: nothing was rounded
+    variance = torch.where(exact, 0.0, variance)
+    if model.extra_variance is not None:
+        variance = variance + model.extra_variance
+    sigma = variance.sqrt()
+    safe = torch.where(sigma > 0, sigma, 1.0)
+    share = (model.accumulation / safe).pow(2)
+    kept = (sigma > 0) & (share <= tol.accumulation_share) & torch.isfinite(ref)
+    rows = kept.any(1)
+    mask = kept[rows].to(torch.float64)
+    projector = _projectors(model.span, safe[rows], mask)
+    dof = (torch.diagonal(projector, dim1=1, dim2=2) * mask).sum().item()
+    if dof < tol.min_dof:
+        return None
+    spread = (projector * mask[:, :, None] * mask[:, None, :]).pow(2).sum().item()
+    x = tol.false_alarm_exponent
+    bound = dof + 2 * math.sqrt(x * spread) + 2 * x
+    accumulation = (share[rows] * mask).sum().item()
+    allowed = (1 + tol.model_margin) * (math.sqrt(bound) + math.sqrt(accumulation)) ** 2 / dof
+
+    def rho(value: torch.Tensor) -> float:
+        scaled = torch.nan_to_num((value - ref)[rows] / safe[rows]) * mask
+        return (projector @ scaled[:, :, None]).pow(2).sum().item() / dof
+
+    measured = rho(kernel)
+    base_rho = rho(base) if base is not None else 0.0
+    note = f" (rounding noise, {dof:.0f} dof; B {base_rho:.3g})"
+    return Tier("statistical", measured, allowed * max(1.0, base_rho), note)
+
+
+def _projectors(span: torch.Tensor, sigma: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row ``[rows, H, H]``: the projector off the span in that row's scaled coordinates
+    (``span / sigma``, masked elements dropped). A QR's columns span at least the columns it
+    factors, rank-deficient or not: nothing inside the span is left in."""
+    rows, width = sigma.shape
+    eye = torch.eye(width, dtype=torch.float64).expand(rows, width, width)
+    if span.shape[1] == 0 or rows == 0:
+        return eye.clone()
+    generators = span[None] / sigma[:, :, None] * mask[:, :, None]
+    q, _ = torch.linalg.qr(generators)
+    return eye - q @ q.transpose(1, 2)
+
+
+def row_span(rows: torch.Tensor) -> torch.Tensor:
+    """``[H, r]`` orthonormal columns spanning the rows of ``rows`` ``[m, H]`` (float64): their
+    right singular vectors above a relative 1e-12, i.e. every direction the rows reach."""
+    width = rows.shape[1]
+    if rows.numel() == 0 or not bool(rows.abs().max() > 0):
+        return torch.zeros(width, 0, dtype=torch.float64)
+    _, singular, right = torch.linalg.svd(rows, full_matrices=False)
+    rank = int((singular > SPAN_RELATIVE * singular.max()).sum())
+    return right[:rank].T.contiguous()
+
+
+# Singular values of the span's generators below this fraction of the largest count as zero: the
+# generators are exact (float64 of 16-bit or fp32 values), so only rounding in the SVD is below.
+SPAN_RELATIVE = 1e-12

@@ -41,6 +41,7 @@ class Reference:
     # Per gradient ("grad_hidden", "grad_weight", "grad_bias"), when asked for: the sums of the
     # absolute terms of each element, which bound the rounding of any order of summing them.
     magnitudes: dict[str, torch.Tensor] | None = None
+    d_logits: torch.Tensor | None = None  # [T, V] d loss / d (h W^T + b), with the magnitudes
 
     def loss(self, reduction: str) -> torch.Tensor:
         """``token_loss`` reduced like `lce.linear_cross_entropy` (mean over valid tokens)."""
@@ -135,7 +136,7 @@ def reference(
         }
         if b is not None:
             sums["grad_bias"] = ordered_sum(size, dim=0)
-    return Reference(*outputs, **grads, magnitudes=sums)
+    return Reference(*outputs, **grads, magnitudes=sums, d_logits=d_a if magnitudes else None)
 
 
 def logit_map(a: torch.Tensor, options: LogitOptions) -> tuple[torch.Tensor, torch.Tensor]:

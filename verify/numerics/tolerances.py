@@ -20,6 +20,7 @@ DTYPES = ("fp32", "bf16", "fp16", "fp32_bf16", "fp64")
 OUTPUTS = ("logprobs", "entropy", "loss", "grad_hidden", "grad_weight")
 FIELDS = ("alpha", "floor", "atol", "rtol", "zeps")
 EXACT_FIELDS = ("ignored", "invariance_fp64")
+STATISTICAL_FIELDS = ("false_alarm_exponent", "min_dof", "accumulation_share", "model_margin")
 _SHORT = {
     torch.float32: "fp32",
     torch.bfloat16: "bf16",
@@ -45,10 +46,26 @@ class Tolerance:
 
 
 @dataclass(frozen=True)
+class Statistical:
+    """The statistical tier's numbers (`verify.numerics.compare.statistical_tier`):
+    a clean output fails with probability at most ``exp(-false_alarm_exponent)``; the tier
+    judges outputs with at least ``min_dof`` error components outside the span; elements whose
+    accumulation bound exceeds ``accumulation_share`` of their rounding variance are left out;
+    ``model_margin`` for rounding residues that are not uniform."""
+
+    false_alarm_exponent: float
+    min_dof: float
+    accumulation_share: float
+    model_margin: float
+
+
+@dataclass(frozen=True)
 class Tolerances:
     entries: dict[str, dict[str, Tolerance]]
     exact: dict[str, float]
     source: str
+    # None: the file has no ``statistical`` section (a user's older file), the tier is off
+    statistical: Statistical | None = None
 
     def get(self, dtype_key: str, output: str) -> Tolerance:
         return self.entries[dtype_key][output]
@@ -82,7 +99,7 @@ def parse(data: object, path: str) -> Tolerances:
     """Validate a loaded YAML document; raise `ToleranceFileError` naming the offending key."""
     if not isinstance(data, dict):
         raise ToleranceFileError(f"{path}: top level must be a mapping")
-    _unknown(data, ("schema", "dtypes", "exact"), "the top level", path)
+    _unknown(data, ("schema", "dtypes", "exact", "statistical"), "the top level", path)
     if data.get("schema") != 1:
         raise ToleranceFileError(f"{path}: schema must be 1, got {data.get('schema')!r}")
     dtypes = data.get("dtypes") or {}
@@ -111,7 +128,20 @@ def parse(data: object, path: str) -> Tolerances:
         if f not in exact:
             raise ToleranceFileError(f"{path}: exact.{f} is missing")
     exact_values = {f: _number(exact[f], f"exact.{f}", path) for f in EXACT_FIELDS}
-    return Tolerances(entries, exact_values, path)
+    return Tolerances(entries, exact_values, path, _statistical(data.get("statistical"), path))
+
+
+def _statistical(section: object, path: str) -> Statistical | None:
+    """The optional ``statistical`` section (absent: the statistical tier is not checked)."""
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ToleranceFileError(f"{path}: statistical must be a mapping of {STATISTICAL_FIELDS}")
+    _unknown(section, STATISTICAL_FIELDS, "statistical", path)
+    missing = [f for f in STATISTICAL_FIELDS if f not in section]
+    if missing:
+        raise ToleranceFileError(f"{path}: statistical lacks {missing}")
+    return Statistical(*(_number(section[f], f"statistical.{f}", path) for f in STATISTICAL_FIELDS))
 
 
 def default_path() -> Path:

@@ -17,7 +17,8 @@ PER_TOKEN = ("logprobs", "entropy", "loss", "grad_hidden", "loss_grad_hidden")
 
 
 def differential(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
-    """Tiers 1-2 of tolerances.yaml for each output the run produced."""
+    """Tiers 1-2 of tolerances.yaml for each output the run produced, and the statistical tier
+    for its 16-bit gradients."""
     run = runner.run(spec)
     if run.status != "ok":
         return [refused("differential", spec, run.error)]
@@ -32,6 +33,7 @@ def differential(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
             exp.ref[name],
             exp.base[name],
             tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name]),
+            statistical=True,
         )
         for name, value in run.outputs.items()
     ]

@@ -45,6 +45,7 @@ def main_grad_accumulation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdi
             exp.base[name],
             tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name]),
             extra=extra.get(name),
+            statistical=True,
         )
         for name in OUTPUTS
         if name in run.outputs

@@ -124,11 +124,24 @@ class Oracle:
     def magnitudes_under(self, upstream: Upstream) -> dict[str, torch.Tensor]:
         """`Reference.magnitudes` (``grad_hidden``, ``grad_weight``, ``grad_bias`` with a bias)
         under these upstream gradients (empty without any)."""
-        sums = reference(
+        return self.terms_under(upstream).magnitudes or {}
+
+    def terms_under(self, upstream: Upstream) -> Reference:
+        """R under these upstream gradients, with its magnitudes and d_logits."""
+        return reference(
             self.problem.hidden, self.problem.weight, self.problem.targets, upstream=upstream,
             magnitudes=True, slope_error=self.slope_error, **self._options(),
-        ).magnitudes  # fmt: skip
-        return sums or {}
+        )  # fmt: skip
+
+    @cached_property
+    def terms(self) -> dict[str, Reference]:
+        """R's runs with their magnitudes and d_logits, by output prefix: ``""`` under the
+        per-token upstreams, ``"loss_"`` under the loss's."""
+        problem = self.problem
+        return {
+            "": self.terms_under(Upstream(problem.grad_logprob, problem.grad_entropy)),
+            "loss_": self.terms_under(Upstream(loss=self.loss_upstream(problem.grad_loss))),
+        }
 
     @property
     def slope_error(self) -> float:
@@ -144,12 +157,11 @@ class Oracle:
         """Per gradient output of R (``grad_hidden``, ``loss_grad_weight``, ...), the float64 sum
         of the absolute values of the terms each element sums (`Reference.magnitudes`): any order
         of summing n of them in unit roundoff u is off by at most about n * u times this."""
-        problem = self.problem
-        runs = {
-            "": self.magnitudes_under(Upstream(problem.grad_logprob, problem.grad_entropy)),
-            "loss_": self.loss_magnitudes(),
+        return {
+            prefix + name: value
+            for prefix, run in self.terms.items()
+            for name, value in (run.magnitudes or {}).items()
         }
-        return {prefix + name: value for prefix, run in runs.items() for name, value in run.items()}
 
     def loss_magnitudes(self, grad_loss: float | None = None) -> dict[str, torch.Tensor]:
         """`Reference.magnitudes` of the spec's loss under its own upstream gradient, or under the

@@ -17,8 +17,9 @@ import torch
 
 from verify.cases.spec import CaseSpec
 from verify.numerics.compare import Verdict, compare, nonfinite_mismatch, ratio
-from verify.numerics.tolerances import Tolerance
+from verify.numerics.tolerances import Tolerance, load
 from verify.properties.oracle import oracle
+from verify.properties.rounding_model import rounding_model
 
 # Tier of a verdict that records an exception raised by a property's own code: a bug of the
 # harness, not a verdict on the implementation (reported apart, with its own exit code).
@@ -81,12 +82,17 @@ def tolerance_check(
     extra: torch.Tensor | None = None,
     columns: slice | None = None,
     dot_rounding: bool = False,
+    statistical: bool = False,
 ) -> PropertyVerdict:
     """Tiers 1-2 of tolerances.yaml: ``kernel`` vs float64 ``ref``; ``base`` is B's value;
     ``runs`` and ``extra`` as in `verify.numerics.compare.compare`. ``columns``: judge only these
     columns of a 2-D output (its logit scale cut alike). ``dot_rounding``: the logit term
-    counts each dot's summation rounding (see `verify.properties.oracle.logit_scales`)."""
-    scale = subnormal = None
+    counts each dot's summation rounding (see `verify.properties.oracle.logit_scales`).
+    ``statistical``: ``ref`` is the spec's own R and ``base`` its B, so the statistical tier
+    applies too (`verify.properties.rounding_model`)."""
+    scale = subnormal = rounding = None
+    if statistical and runs == 1 and columns is None:
+        rounding = rounding_model(spec, output, kernel.dtype, load().statistical)
     if spec.fault == "none":
         known = oracle(spec)
         scale = known.logit_scales(dot_rounding).get(output)
@@ -105,7 +111,7 @@ def tolerance_check(
     # Partial grad_hidden per rank (sequence parallel): tp roundings, then their sum's.
     partials = output.endswith("grad_hidden") and not spec.reduce_hidden and spec.tp > 1
     roundings = spec.tp + 1 if partials else 1
-    verdict = compare(output, kernel, ref, base, tol, runs, scale, extra, roundings)
+    verdict = compare(output, kernel, ref, base, tol, runs, scale, extra, roundings, rounding)
     return from_compare(prop, spec, verdict)
 
 

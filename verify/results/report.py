@@ -19,10 +19,12 @@ from typing import Any
 
 from verify.adapters.interface import Adapter
 from verify.execution.stage_timing import STAGES
+from verify.results import coverage_report
 from verify.results.artifacts import is_failure, json_number, verdict_record
 
 SCHEMA = "lce-campaign-report"
-SCHEMA_VERSION = 2  # 2: one report for every implementation (implementation, not_tested, outcome)
+# 2: one report for every implementation (implementation, not_tested, outcome); 3: coverage
+SCHEMA_VERSION = 3
 SAMPLES_PER_CELL = 400  # ratios kept per output x dtype x backend for the plot (reservoir sample)
 PLOT_FILE = "ratios.png"
 # Outputs judged by measured/allowed against a tolerances.yaml entry; the worst table and the plot
@@ -68,11 +70,21 @@ class Tally:
     # (backend, kind) -> examples, compiles, wall and stage seconds; kind: "numerical" or "status"
     timing: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     examples: int = 0
+    # The slices' pairwise-coverage plans and the pairs each property judged
+    coverage: coverage_report.CoverageTally = field(default_factory=coverage_report.CoverageTally)
     _rng: random.Random = field(default_factory=lambda: random.Random(0))
 
-    def add_example(self, dtype: str, backend: str, tp: int, verdicts: list[Any]) -> None:
-        """Record one checked example: its verdicts (objects or dicts) from every property."""
+    def add_coverage(self, backend: str, tp: int, record: dict[str, Any]) -> None:
+        """A slice's pairwise-coverage plan (`verify.running.pairwise.SlicePlan.record`)."""
+        self.coverage.add_plan(backend, tp, record)
+
+    def add_example(
+        self, dtype: str, backend: str, tp: int, verdicts: list[Any], spec: Any = None
+    ) -> None:
+        """Record one checked example: its verdicts (objects or dicts) from every property, and
+        its spec (a property with a verdict judged its pairs; without a spec, each verdict's)."""
         self.examples += 1
+        self.coverage.add_verdicts(backend, tp, verdicts, spec)
         records = [verdict_record(v) for v in verdicts]
         failed = any(is_failure(r) for r in records)
         self.by_dtype[(dtype, backend, tp)][0] += 1
@@ -181,6 +193,7 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
         "worst": worst,
         "failures": tally.failures,
         "errors": tally.errors,
+        "coverage": coverage_report.to_json(tally.coverage, tally.slices),
     }
 
 
@@ -314,6 +327,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         *_failure_lines(doc["failures"]),
         *_error_lines(doc["errors"]),
+        *coverage_report.markdown(doc.get("coverage", [])),
         *_untested_lines(doc.get("not_tested", [])),
     ]
     return "\n".join(lines) + "\n"

@@ -33,6 +33,11 @@ from verify.running.profiles import profile_settings
 from verify.running.progress import Progress
 from verify.running.search import RESTARTS, SliceSearch, slice_row
 
+# A slice's planned examples (landmarks, pairwise covering rows) may run past its share of the
+# budget (coverage first: on 2 loaded cores lce's torch slices need more than a sixth of 300 s
+# for them), but leave each later slice at least this many seconds.
+RESERVE_S = 15.0
+
 
 @dataclass
 class CampaignResult:
@@ -138,6 +143,10 @@ class _SliceRuns:
             self.progress.start_slice(self.plan.adapter.label(backend), tp)
             self.search = self._slice(backend, tp)
             self.search.deadlines = (time.monotonic() + share, self.deadline)
+            later = len(slices) - index - 1
+            self.search.explicit_until = max(
+                self.search.deadlines[0], self.deadline - RESERVE_S * later
+            )
             self._run_slice(with_status=backend == first_backend)
             self.search = None
 

@@ -65,6 +65,7 @@ class _Order:
     tp: int
     index: int
     deadlines: tuple[float, float]  # time.monotonic(): one clock for every process on the host
+    explicit_until: float | None  # the planned examples' end (`SliceSearch.explicit_until`)
     with_status: bool
     threads: int  # torch CPU threads of the search's driver and of its worker
 
@@ -103,6 +104,7 @@ class ConcurrentSlice:
         self.tally, self.progress = tally, progress
         self.count, self.seed_stride = count, seed_stride
         self.deadlines = (math.inf, math.inf)
+        self.explicit_until: float | None = None
         self.status, self.examples, self.seconds = "done", 0, 0.0
         self.artifacts: list[Path] = []
         self._statuses: list[str] = []
@@ -124,7 +126,7 @@ class ConcurrentSlice:
             config = replace(self.config, seed=seed_of(self.config.seed, index, self.seed_stride))
             order = _Order(
                 config, self.adapter.ref, self.names, self.backend, self.tp, index, self.deadlines,
-                with_status and index == 0, threads,
+                self.explicit_until, with_status and index == 0, threads,
             )  # fmt: skip
             processes.append(context.Process(target=_search, args=(order, events)))
         began = time.monotonic()
@@ -221,7 +223,7 @@ def _search(order: _Order, events: Any) -> None:
         order.config, resolve(order.impl), order.backend, order.tp, order.names, tally,
         _Forward(events, "progress"),
     )  # fmt: skip
-    search.deadlines = order.deadlines
+    search.deadlines, search.explicit_until = order.deadlines, order.explicit_until
     pool = None
     with stopping.stop_signals():
         try:

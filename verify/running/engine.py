@@ -82,6 +82,15 @@ def worst(verdicts: list[PropertyVerdict]) -> float:
     return min(max((v.ratio for v in verdicts), default=0.0), 1e30)
 
 
+class ExplicitFailure(BaseException):
+    """An explicit example failed and the search was asked to end there (a BaseException:
+    Hypothesis then runs no further example)."""
+
+    def __init__(self, verdicts: list[PropertyVerdict]) -> None:
+        self.verdicts = verdicts
+        super().__init__("\n".join(v.line() for v in verdicts))
+
+
 # Detail added to the verdicts of a failure Hypothesis reports as flaky.
 FLAKY = "; FLAKY: the same spec then passed (non-deterministic implementation?)"
 # Said of an exception `case_of` finds no spec for, where it is reported on a stand-in spec.
@@ -103,6 +112,7 @@ class SearchResult:
     worst_ratio: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     stopped: bool = False  # a deadline ended the search (see `run_property`)
+    explicit_run: int = 0  # explicit examples run (the first ones of those given)
     other_failures: list[list[PropertyVerdict]] = field(default_factory=list)
     # Exceptions Hypothesis reported together with (or instead of) property failures, each with
     # the spec it was raised on (`case_of`; None: unknown, see `UNKNOWN_SPEC`).
@@ -145,14 +155,16 @@ def run_property(
     shrink: bool = True,
     examples: Iterable[CaseSpec] = (),
     deadlines: tuple[float, float] = (math.inf, math.inf),
+    first_failure_only: bool = False,
+    explicit_until: float | None = None,
+    explicit_failure_ends: bool = False,
 ) -> SearchResult:
     """Search ``strategy`` (default `case_specs()` at the runner's TP degrees) for a spec that
     fails property ``name`` (or any of several names), under a settings profile of
     `verify.running.profiles`. ``seed`` randomizes a derandomized profile (fresh examples per seed).
     Never raises on a property failure: the result carries the (shrunk unless ``shrink=False``)
     failing verdicts. ``examples`` run first (e.g. `verify.cases.strategies.landmark_specs`);
-    several
-    of them failing, or a profile reporting several distinct bugs, give ``other_failures``.
+    several of them failing, or a profile reporting several distinct bugs, give ``other_failures``.
 
     When Hypothesis reports several failures at once (an exception group: failing explicit
     examples, distinct bugs, a flaky failure), every one comes back: property failures as
@@ -163,29 +175,43 @@ def run_property(
     past ``deadlines[0]`` while nothing has failed, or past ``deadlines[1]`` once something has
     (shrinking may run longer than searching), or at the engine's next candidate past it
     (`deadline_in_engine`: between examples); the result is then ``stopped``, with the latest
-    failing verdicts unshrunk.
-    """
+    failing verdicts unshrunk. The ``examples`` (planned coverage: landmarks, covering rows)
+    run until ``explicit_until`` (default ``deadlines[1]``); ``result.explicit_run`` counts them.
+    ``first_failure_only``: one bug reported, the search ends at it (the self-test's fast mode).
+    ``explicit_failure_ends``: an explicit example's failure ends the search unshrunk, so the
+    caller reduces it and goes on with the examples after it."""
     names = [name] if isinstance(name, str) else list(name)
-    for n in names:
-        get(n)
+    _ = [get(n) for n in names]  # an unknown name raises before any example
     runner = runner or Runner()
     if strategy is None:
         strategy = case_specs(tp_sizes=runner.tp_sizes)
     result = SearchResult(",".join(names))
-    base = profile_settings(profile, max_examples=max_examples, seed=seed)
-    if not shrink:
-        base = settings(base, phases=[p for p in base.phases if p != Phase.shrink])
+    base = _search_settings(profile, max_examples, seed, shrink, first_failure_only)
+    examples = list(examples)
+    explicit = [len(examples)]  # explicit examples not yet run: Hypothesis runs them first
 
     def due() -> float:
+        if explicit[0] > 0:
+            return deadlines[1] if explicit_until is None else explicit_until
         return deadlines[0 if result.first_failure_at is None else 1]
 
     def body(spec: CaseSpec) -> None:
-        _example(result, check_case(spec, properties=names, runner=runner), on_example, spec)
+        planned = explicit[0] > 0
+        try:
+            _example(result, check_case(spec, properties=names, runner=runner), on_example, spec)
+        except PropertyFailure as failure:
+            if planned and explicit_failure_ends:
+                raise ExplicitFailure(failure.verdicts) from failure
+            raise
+        finally:
+            if planned:
+                explicit[0] -= 1
+                result.explicit_run += 1
         if time.monotonic() > due():
             raise BudgetExhausted
 
     search = given(strategy)(body)
-    for spec in reversed(list(examples)):
+    for spec in reversed(examples):
         search = example(spec)(search)
     search = settings(base)(search)
     if seed is not None:
@@ -197,6 +223,19 @@ def run_property(
         _outcome(result, search)
     result.seconds = time.perf_counter() - began
     return result
+
+
+def _search_settings(
+    profile: str, max_examples: int | None, seed: int | None, shrink: bool, first_only: bool
+) -> settings:
+    """The profile's settings, without the shrink phase unless ``shrink``, reporting one bug
+    when ``first_only``."""
+    base = profile_settings(profile, max_examples=max_examples, seed=seed)
+    if not shrink:
+        base = settings(base, phases=[p for p in base.phases if p != Phase.shrink])
+    if first_only:
+        base = settings(base, report_multiple_bugs=False)
+    return base
 
 
 def _example(
@@ -229,7 +268,7 @@ def _outcome(result: SearchResult, search: Callable[[], None]) -> None:
     """Run the Hypothesis ``search`` and record how it ended in ``result``."""
     try:
         search()
-    except PropertyFailure as failure:
+    except (PropertyFailure, ExplicitFailure) as failure:
         result.failure = failure.verdicts
     except BudgetExhausted:
         result.stopped = True
@@ -238,7 +277,7 @@ def _outcome(result: SearchResult, search: Callable[[], None]) -> None:
         for exc, flaky in leaves(group):
             if isinstance(exc, BudgetExhausted):
                 result.stopped = True
-            elif isinstance(exc, PropertyFailure):
+            elif isinstance(exc, (PropertyFailure, ExplicitFailure)):
                 note = FLAKY if flaky else ""
                 failures.append([replace(v, detail=v.detail + note) for v in exc.verdicts])
             elif isinstance(exc, Exception):

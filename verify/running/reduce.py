@@ -1,7 +1,8 @@
 """Shrinking a failure Hypothesis does not shrink: one found on an explicit example (a landmark
-spec), which it reports as it was. `reduce_failure` moves the spec's fields one at a time towards
-the simplest spec the implementation gets (sizes down a few steps, every other field to its
-simplest value) and keeps each move that still fails the same checks, until no move does."""
+spec, a pairwise covering row), which it reports as it was. `reduce_failure` first tries every
+field but the sizes at its simplest value at once, then moves the spec's fields one at a time
+towards the simplest spec the implementation gets (sizes down a few steps, every other field to
+its simplest value) and keeps each move that still fails the same checks, until no move does."""
 
 from __future__ import annotations
 
@@ -37,6 +38,16 @@ def reduce_failure(
     (``time.monotonic()``) with what it has."""
     wanted = {(v.property, v.output) for v in failing}
     current, verdicts = spec, failing
+    # First every field but the sizes at its simplest at once: a covering row sets most of
+    # them, and one probe (a worker's life, for a crash) beats one per field when it holds.
+    jump = _simplest_but_sizes(current, simplest)
+    if jump is not None and jump != current and time.monotonic() < until:
+        try:
+            failed = _failing(check, jump, wanted)
+        except (BudgetExhausted, InfraFault):
+            return current, verdicts
+        if failed:
+            current, verdicts = jump, failed
     moved = True
     while moved and time.monotonic() < until:
         moved = False
@@ -51,8 +62,9 @@ def reduce_failure(
                 failed = _failing(check, candidate, wanted)
             except (BudgetExhausted, InfraFault):  # no time, or no workers: what it has
                 return current, verdicts
-            if failed:
+            if failed:  # the moves from here on: a larger value of this field is no move now
                 current, verdicts, moved = candidate, failed, True
+                break
     return current, verdicts
 
 
@@ -65,6 +77,16 @@ def _failing(check: Check, spec: CaseSpec, wanted: set[tuple[str, str]]) -> list
         return []
     failed = [v for v in verdicts if v.failed]
     return failed if any((v.property, v.output) in wanted for v in failed) else []
+
+
+def _simplest_but_sizes(spec: CaseSpec, simplest: CaseSpec) -> CaseSpec | None:
+    """``spec`` with every field `_moves` would move, but the sizes, at its simplest value;
+    None when that is no valid spec."""
+    changes = {name: value for name, value in _moves(spec, simplest) if name not in SIZES}
+    try:
+        return spec.with_(**changes)
+    except ValueError:
+        return None
 
 
 def _moves(spec: CaseSpec, simplest: CaseSpec) -> Iterator[tuple[str, Any]]:

@@ -2,7 +2,8 @@
 
 A slice searches its properties with Hypothesis (`verify.running.engine.run_property`): the status
 examples (invalid inputs) first when asked, then valid cases, each search starting from the
-landmark specs (one per input class). Every example is tallied for the report; a failure is shrunk,
+landmark specs (one per input class) and the slice's pairwise covering rows
+(`verify.running.pairwise`). Every example is tallied for the report; a failure is shrunk,
 saved as an artifact, and the slice searches again with the next seed while its share of the
 budget lasts, leaving out what it has found (`Exclusions`), so one early bug does not hide the
 others. The cases run on the slice's worker pool through a `Runner`, which turns a crash or a hang
@@ -35,6 +36,7 @@ from verify.results import artifacts, report
 from verify.running import stopping
 from verify.running.config import CampaignConfig
 from verify.running.engine import check_case, run_property, seeds
+from verify.running.pairwise import plan_slice
 from verify.running.profiles import profile_settings
 from verify.running.reduce import reduce_failure
 
@@ -166,6 +168,10 @@ class SliceSearch:
         # Searching stops at the slice's share of the budget; shrinking may go on to the end of
         # the campaign's budget (a found failure is worth more than later slices' examples).
         self.deadlines = (math.inf, math.inf)
+        # The planned examples (landmarks, covering rows) may run past the share, to here (None:
+        # the campaign's end): coverage first, but later slices keep a little (`campaign`).
+        self.explicit_until: float | None = None
+        self.explicit_run = 0  # planned examples the last search ran
         self.signatures: set[tuple] = set()  # (properties, dtype, error, outputs) of saved failures
         # time.monotonic() at the end of the last example (its wall time); one clock for every
         # process on the host, so concurrent searches' examples fall on one time line
@@ -224,25 +230,45 @@ class SliceSearch:
             )  # fmt: skip
             marks = [fit(s) for s in landmarks_at(self.tp, self.backend)]
             marks = [s for i, s in enumerate(marks) if s not in marks[:i] and _pair(s) in pairs]
-            searches.append((valid, specs.map(fit), marks))
+            searches.append((valid, specs.map(fit), marks + self._covering_rows(valid, marks)))
         return searches
+
+    def _covering_rows(self, names: tuple[str, ...], marks: list[CaseSpec]) -> list[CaseSpec]:
+        """The slice's pairwise covering rows (`verify.running.pairwise`), their data drawn
+        from the campaign's seed; the plan goes to the report, which counts against it."""
+        config = self.config
+        plan = plan_slice(
+            self.adapter, self.backend, self.tp, names, tuple(marks), config.dtype_pairs,
+            config.exclude,
+        )  # fmt: skip
+        self.tally.add_coverage(self.adapter.label(self.backend), self.tp, plan.record())
+        offset = config.seed or 0
+        return [spec.with_(seed=(spec.seed + offset) % 2**16) for spec in plan.rows]
 
     def _rounds(self, names, strategy, landmarks, runner: Runner, exclusions: Exclusions) -> None:
         """Searches at the config's seeds until one finds nothing new, the share of the budget
-        is spent, or `RESTARTS` restarts; each leaves out what the earlier ones found."""
+        is spent, or `RESTARTS` restarts; each leaves out what the earlier ones found. A failure
+        on a planned example ends its search (it is reduced while there is time); the next
+        search goes on with the planned examples after it."""
 
         def allowed(spec: CaseSpec) -> bool:
             return exclusions.allows(spec) and not self.config.excluded(spec)
 
-        for index, seed in enumerate(itertools.islice(seeds(self.config.seed), 1 + RESTARTS)):
+        pending = list(landmarks)  # the planned examples not yet run
+        for seed in itertools.islice(seeds(self.config.seed), 1 + RESTARTS):
             narrowed = strategy.filter(allowed)
-            examples = [s for s in landmarks if allowed(s)] if index == 0 else []
+            examples = [s for s in pending if allowed(s)]
             runner.new_search(self.deadlines[1])
             saved = self._search(names, narrowed, runner, seed, examples)
+            pending = examples[self.explicit_run :]
             new = [exclusions.absorb(failing, self.deadlines[0]) for failing in saved]
-            in_time = time.monotonic() <= self.deadlines[0]
+            due = self.deadlines[0] if not pending else self._explicit_until()
+            in_time = time.monotonic() <= due
             if not (any(new) and not exclusions.everything and self.status == "done" and in_time):
                 return
+
+    def _explicit_until(self) -> float:
+        return self.deadlines[1] if self.explicit_until is None else self.explicit_until
 
     def _search(
         self,
@@ -263,7 +289,9 @@ class SliceSearch:
                 names, strategy=strategy.map(self._draw), profile=self.config.profile,
                 runner=runner, max_examples=self.config.max_examples, seed=seed,
                 on_example=self._on_example, deadlines=self.deadlines, examples=examples,
+                explicit_until=self._explicit_until(), explicit_failure_ends=True,
             )  # fmt: skip
+            self.explicit_run = result.explicit_run
             if stopping.stop_requested():  # Hypothesis caught the interrupt: not a finding
                 raise KeyboardInterrupt
             if result.stopped:
@@ -325,7 +353,7 @@ class SliceSearch:
         label = self.adapter.label(self.backend)
         self.tally.add_timing(label, kind, taken, now - self.example_began, ended=now)
         self.example_began = now
-        self.tally.add_example(spec.dtype_key, label, spec.tp, verdicts)
+        self.tally.add_example(spec.dtype_key, label, spec.tp, verdicts, spec=spec)
         self.progress.example()
         failing = [v for v in verdicts if v.failed]
         self.failed = bool(failing)

@@ -8,6 +8,8 @@ when the correct implementation passes it). `format_table()` prints it for ``ver
 from __future__ import annotations
 
 import builtins
+import itertools
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -20,6 +22,8 @@ from verify.execution.mutants import MUTANTS
 from verify.execution.runner import Runner
 from verify.properties.catalog import SELFTEST_PROPERTIES
 from verify.running.engine import SearchResult, check_case, run_property
+from verify.running.pairwise import plan_slice
+from verify.running.reduce import reduce_failure
 
 SELFTEST_PAIRS = DTYPE_PAIRS
 
@@ -44,7 +48,9 @@ class KillRow:
     allowed: float = 0.0
     shrunk_spec: str = ""
     clean_passes: bool | None = None  # the shrunk spec passes without the mutant
-    on_landmark: bool = False  # killed on a landmark spec (explicit example: not shrunk)
+    # killed on a planned example (a landmark or a covering row: Hypothesis does not shrink it,
+    # `reduce_failure` does when shrinking)
+    on_landmark: bool = False
     seconds: float = 0.0
 
     @builtins.property  # the field `property` shadows the builtin in this class body
@@ -82,12 +88,26 @@ def mutation_table(
     for name in mutants or MUTANTS:
         runner = Runner(pool, mutant=name)
         search = strategy if strategy is not None else selftest_specs(runner.tp_sizes, backends)
-        marks = landmark_specs(runner.tp_sizes, backends) if landmarks else []
+        marks = planned_examples(name, runner, properties, backends) if landmarks else []
         began = time.perf_counter()
-        result = _hunt(runner, properties, search, marks, profile, max_examples, shrink)
-        rows.append(_row(name, result, Runner(pool), properties, marks))
+        result, planned = _hunt(runner, properties, search, marks, profile, max_examples, shrink)
+        rows.append(_row(name, result, Runner(pool), properties, planned))
         rows[-1].seconds = time.perf_counter() - began
     return rows
+
+
+def planned_examples(
+    name: str, runner: Runner, properties: tuple[str, ...], backends: tuple[str, ...]
+) -> list[CaseSpec]:
+    """What a campaign's slices run first, for mutant ``name``: the landmark specs, then each
+    slice's pairwise covering rows (`verify.running.pairwise`) at the TP degrees where the bug
+    changes anything."""
+    marks = landmark_specs(runner.tp_sizes, backends)
+    tps = [tp for tp in runner.tp_sizes if tp >= MUTANTS[name].min_tp]
+    for backend, tp in itertools.product(backends, tps):
+        at = tuple(s for s in marks if s.tp == tp and s.backend == backend)
+        marks += plan_slice(runner.adapter, backend, tp, properties, at).rows
+    return marks
 
 
 def _hunt(
@@ -98,29 +118,39 @@ def _hunt(
     profile: str,
     max_examples: int | None,
     shrink: bool,
-) -> SearchResult:
+) -> tuple[SearchResult, bool]:
     """The searches for one planted bug, in order until one kills it: with ``shrink`` the plain
-    search, then one starting from the landmarks ``marks``; without, the landmarks' one alone."""
+    search, then one starting from the planned examples ``marks``; without, the planned
+    examples' one alone. Also whether the kill was on a planned example (which Hypothesis does
+    not shrink: with ``shrink``, `reduce_failure` reduces it as a campaign does)."""
     for examples in [[], marks] if shrink else [marks]:
         result = run_property(
             properties, strategy=search, profile=profile, runner=runner,
             max_examples=max_examples, shrink=shrink, examples=examples,
+            first_failure_only=not shrink,
         )  # fmt: skip
         result.raise_errors()  # an exception is no kill: the mutant broke the run
         if not (result.passed and marks):  # killed, or no landmarks left to start from
             break
-    return result
+    planned = bool(result.failure) and result.shrunk_spec in marks
+    if shrink and planned:
+
+        def check(spec: CaseSpec) -> list:
+            return check_case(spec, properties=properties, runner=runner)
+
+        spec = result.shrunk_spec
+        simplest = CaseSpec(backend=spec.backend, tp=spec.tp)
+        _, result.failure = reduce_failure(spec, result.failure, check, simplest, math.inf)
+    return result, planned
 
 
-def _row(
-    name: str, result, clean: Runner, properties: tuple[str, ...], marks: list[CaseSpec]
-) -> KillRow:
+def _row(name: str, result, clean: Runner, properties: tuple[str, ...], planned: bool) -> KillRow:
     row = KillRow(name, MUTANTS[name].bug, not result.passed, result.first_failure_at)
     if result.failure:
         first = result.failure[0]
         row.property, row.output, row.shrunk_spec = first.property, first.output, first.spec
         row.measured, row.allowed = first.measured, first.allowed
-        row.on_landmark = result.shrunk_spec in marks
+        row.on_landmark = planned
         verdicts = check_case(result.shrunk_spec, properties=properties, runner=clean)
         row.clean_passes = not any(v.failed for v in verdicts)
     return row
@@ -137,5 +167,8 @@ def format_table(rows: list[KillRow]) -> str:
         count = f"{r.examples or '-'}{'*' if r.on_landmark else ''}"
         lines.append(f"{r.mutant:32} {state:6} {count:8} {by:34} {ratio:17} {r.seconds:.1f}")
     killed = sum(r.counts for r in rows)
-    lines.append(f"killed {killed}/{len(rows)} (* = on a landmark spec, not shrunk)")
+    lines.append(
+        f"killed {killed}/{len(rows)} (* = on a planned example, a landmark or a covering row:"
+        " reduced field by field when shrinking, else as it was)"
+    )
     return "\n".join(lines)

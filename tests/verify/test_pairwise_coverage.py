@@ -1,0 +1,71 @@
+"""Pairwise coverage (`verify.running.pairwise`, `verify.results.coverage_report`): a slice's
+covering rows, with its landmark specs, give every property every supported pair of case-feature
+values it counts; values the implementation does not claim are reported as not claimed, never as
+pairs to reach; the report names each pair not reached with its reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from verify.adapters.registry import resolve
+from verify.cases import coverage
+from verify.cases.strategies import landmark_specs
+from verify.properties.catalog import PROPERTIES, get
+from verify.results.coverage_report import CoverageTally, to_json, universe
+from verify.running.pairwise import NOT_CLAIMED, judged, plan_slice
+
+VALID = tuple(name for name in PROPERTIES if not get(name).faults)
+
+
+def _reached(plan, marks) -> dict[str, set]:
+    record = plan.record()
+    universes = {name: universe(record, name) for name in VALID}
+    got: dict[str, set] = {name: set() for name in VALID}
+    for spec in (*marks, *plan.rows):
+        for name, pairs in judged(spec, VALID, universes).items():
+            got[name] |= pairs
+    return {name: universes[name] - got[name] for name in VALID}
+
+
+@pytest.mark.parametrize(("impl", "tp"), [("lce-torch", 1), ("lce-torch", 2), ("torch", 1)])
+def test_rows_and_landmarks_reach_every_supported_pair(impl: str, tp: int) -> None:
+    adapter = resolve(impl)
+    marks = tuple(s for s in landmark_specs((tp,), ("torch",)) if s.tp == tp)
+    plan = plan_slice(adapter, "torch", tp, VALID, marks)
+    missing = {name: pairs for name, pairs in _reached(plan, marks).items() if pairs}
+    assert not missing, {
+        n: [coverage.pair_text(p) for p in sorted(m)][:5] for n, m in missing.items()
+    }
+    assert sum(len(universe(plan.record(), n)) for n in VALID) > 1000  # something was counted
+    # the pair of the in-place scaling of saved gradients is among them (issue 34)
+    if impl.startswith("lce"):
+        wanted = coverage.pair(("loss_path", "fast"), ("grads", "twice"))
+        assert wanted in universe(plan.record(), "differential")
+
+
+def test_values_the_implementation_does_not_claim_are_reported_not_claimed() -> None:
+    """torch's F.linear_cross_entropy claims bias and label smoothing, no other model option."""
+    plan = plan_slice(resolve("torch"), "torch", 1, VALID)
+    record = plan.record()
+    reasons = {item["value"]: item["reason"] for item in record["not_claimed"]}
+    for value in ("softcap=capped", "z_loss=>0", "logit_scale=!=1", "temperature=!=1"):
+        assert reasons.get(value) == NOT_CLAIMED, reasons
+    assert record["features"]["softcap"] == ["none"]  # one value: it pairs with nothing
+    assert record["features"]["bias"] == ["none", "biased"]  # claimed: paired
+    counted = {p for name in VALID for p in universe(record, name)}
+    assert not any(("softcap", "capped") in p for p in counted)
+
+
+def test_report_names_each_pair_not_reached_with_its_reason() -> None:
+    plan = plan_slice(resolve("torch"), "torch", 1, ("differential",))
+    tally = CoverageTally()
+    tally.add_plan("torch", 1, plan.record())
+    first = plan.rows[0]
+    tally.add_verdicts("torch", 1, [{"property": "differential", "spec": None, "tier": "ratio"}],
+                       first)  # fmt: skip
+    for status, reason in (("budget", "not reached in budget"), ("done", "not reached")):
+        (entry,) = to_json(tally, [{"backend": "torch", "tp": 1, "status": status}])
+        (prop,) = entry["properties"]
+        assert 0 < prop["reached"] < prop["supported"]
+        assert len(prop["not_reached"]) == prop["supported"] - prop["reached"]
+        assert all(m["reason"].startswith(reason) for m in prop["not_reached"])

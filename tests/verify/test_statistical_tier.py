@@ -1,0 +1,42 @@
+"""The statistical tier (`verify.numerics.compare.statistical_tier`) sees one extra rounding of a
+gradient that the per-element tiers pass: lce's fast loss with its saved bf16 gradient rounded
+to the input dtype and then scaled there (TE #3193, the `grad_rounded_twice` mutant) fails it,
+clean lce on the same cases passes it."""
+
+from __future__ import annotations
+
+import pytest
+
+from verify.cases.spec import CaseSpec
+from verify.execution.mutants import applied
+from verify.running.engine import check_case
+
+# H = 64 and 6 tokens: ~300 degrees of freedom on grad_hidden and ~750 on grad_weight, above the
+# tier's 256 (tolerances.yaml); a loss upstream other than 1 (sum over random-upstream tokens
+# scaled by a random grad_loss) makes the scaling of the saved gradients a rounding of its own.
+SPEC = CaseSpec(
+    hidden_dtype="bf16", weight_dtype="bf16", tokens=6, hidden_size=64, vocab=13,
+    loss_path="fast", upstream="random", reduction="sum",
+)  # fmt: skip
+DOUBLED = ("loss_grad_hidden", "loss_grad_weight")
+
+
+def _statistical(verdicts) -> dict[str, object]:
+    return {v.output: v for v in verdicts if v.output.endswith(("grad_hidden", "grad_weight"))}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_tier_fails_a_double_rounded_gradient_and_passes_clean_lce(seed: int) -> None:
+    spec = SPEC.with_(seed=seed)
+    clean = _statistical(check_case(spec, properties=["differential"]))
+    with applied("grad_rounded_twice"):
+        doubled = _statistical(check_case(spec, properties=["differential"]))
+    assert set(DOUBLED) <= set(clean), clean
+    for verdict in clean.values():
+        assert not verdict.failed, verdict.line()
+        assert "statistical:" in verdict.detail, verdict.detail  # the tier judged it
+    for name in DOUBLED:
+        verdict = doubled[name]
+        assert verdict.failed and verdict.tier == "statistical", verdict.line()
+    # the per-token outputs the mutant does not touch pass with it
+    assert not doubled["grad_hidden"].failed and not doubled["grad_weight"].failed

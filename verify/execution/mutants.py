@@ -18,6 +18,7 @@ import lce
 import lce.api
 import lce.autograd
 import lce.backends.torch_chunked as torch_chunked
+import lce.plan
 from lce.backends.base import Grads, ShardStats, select_rows
 
 PAD_LANES = 16  # padded-lanes mutant: shards padded to a multiple of this many vocab lanes
@@ -48,7 +49,7 @@ class MutantStages:
         # The double-backward recomputation is not bent (no mutant plants a bug there), nor is
         # the 3-GEMM loss pass's chunk sizing (its stages run unbent, `loss_grads_in_forward`);
         # the scalar-loss fast path stays hidden, so the default loss runs through the bent stages.
-        if name in ("grads_with_graph", "loss_chunk_rows"):
+        if name in ("stats_with_graph", "loss_chunk_rows"):
             return getattr(self.inner, name)
         raise AttributeError(name)
 
@@ -181,8 +182,8 @@ class Bf16GradWeight(MutantStages):
 
 
 def _wrap_stages(cls) -> Callable[[], contextlib.AbstractContextManager]:
-    original = lce.api.get_stages
-    return lambda: mock.patch.object(lce.api, "get_stages", lambda *a, **k: cls(original(*a, **k)))
+    original = lce.plan.get_stages
+    return lambda: mock.patch.object(lce.plan, "get_stages", lambda *a, **k: cls(original(*a, **k)))
 
 
 def _off_by_one(targets, vocab_start, vocab_local):
@@ -211,7 +212,7 @@ def _cast_in_place(hidden, weight, bias, targets, plan):
 
 
 _ORIGINAL_LCE = lce.api.linear_cross_entropy
-_ORIGINAL_TOKEN_OUTPUTS = lce.api._token_outputs
+_ORIGINAL_TOKEN_OUTPUTS = lce.autograd.token_statistics
 
 
 @contextlib.contextmanager
@@ -245,11 +246,11 @@ MUTANTS: dict[str, Mutant] = {
                lambda: mock.patch.object(torch_chunked, "_local_targets", _off_by_one),
                backends=("torch",), min_tp=2),
         Mutant("ignored_rows_not_zeroed", "ignore_index rows computed as target 0, not zeroed",
-               lambda: mock.patch.object(lce.api, "_token_outputs", _ignored_not_zeroed)),
+               lambda: mock.patch.object(lce.autograd, "token_statistics", _ignored_not_zeroed)),
         Mutant("int32_offset_wrap", "row * V offsets wrap (int32 overflow, simulated at 2^9)",
                _wrap_stages(Int32Wrap)),
         Mutant("hidden_cast_not_undone", "hidden's cast to weight's dtype done in place",
-               lambda: mock.patch.object(lce.api, "_token_outputs", _cast_in_place)),
+               lambda: mock.patch.object(lce.autograd, "token_statistics", _cast_in_place)),
     )
 }  # fmt: skip
 

@@ -161,10 +161,11 @@ def linear_cross_entropy(
         route = "into"
     elif fast and reduction != "none" and any(wanted):
         route = "fast"
-    text = encode_call(Call(route, options, reduction, wanted, assumed_loss_grad))
+    call = Call(route, options, reduction, wanted, assumed_loss_grad)
+    text = encode_call(call)
     if route == "into":
         check_grad_buffer(grad_weight_into, weight, assumed_loss_grad)
-        outputs = IntoGradBuffer.apply(hidden, weight, bias, targets, grad_weight_into, text)
+        outputs = IntoGradBuffer.apply(hidden, weight, bias, targets, grad_weight_into, text, call)
     else:
         outputs = torch.ops.lce.fused(hidden, weight, bias, targets, text)
     return (outputs[0], outputs[1]) if return_z_loss else outputs[0]

@@ -115,9 +115,8 @@ def into_backward(
         grad_out = torch.where(valid_count > 0, grad_out, torch.zeros_like(grad_out))
     grad_out = grad_out.reshape(-1).expand(flat_targets.shape)
     wanted, assumed = call.wanted, call.assumed_loss_grad
-    saved = list(saved)
-    grad_hidden = saved.pop(0) if wanted.hidden else None
-    grad_bias = saved.pop(0) if wanted.bias else None
+    grad_hidden = saved[0] if wanted.hidden else None  # `lce.ops.into_slots`
+    grad_bias = saved[1] if wanted.bias else None
     grad_upstream = torch.where(row_scale != 0, grad_out, torch.zeros_like(grad_out))
     if grad_hidden is not None:
         factor = (grad_upstream / assumed).to(grad_hidden.dtype)

@@ -82,7 +82,7 @@ def fused_backward(
 @torch.library.custom_op(
     "lce::fused_into",
     mutates_args=("grad_weight_into",),
-    schema=f"({_INPUTS}, Tensor(a!) grad_weight_into, str call) -> Tensor[]",
+    schema=f"({_INPUTS}, Tensor(a!) grad_weight_into, str call) -> ({', '.join(['Tensor'] * 4)})",
 )
 def fused_into(
     hidden: torch.Tensor,
@@ -91,17 +91,19 @@ def fused_into(
     targets: torch.Tensor,
     grad_weight_into: torch.Tensor,
     call: str,
-) -> list[torch.Tensor]:
-    """The ``into`` route's forward (`lce.grad_buffer.into_forward`)."""
+) -> tuple[torch.Tensor, ...]:
+    """The ``into`` route's forward (`lce.grad_buffer.into_forward`): the loss, its z term, then
+    grad_hidden and grad_bias in `into_slots`."""
     decoded = decode_call(call)
     plan = plan_call(decoded, hidden, weight, targets, agree=True)
-    return into_forward(hidden, weight, bias, targets, grad_weight_into, plan, decoded)
+    outputs = into_forward(hidden, weight, bias, targets, grad_weight_into, plan, decoded)
+    return (*outputs[:2], *into_slots(outputs[2:], decoded, hidden))
 
 
 @torch.library.custom_op(
     "lce::fused_into_backward",
     mutates_args=("grad_weight_into",),
-    schema=f"({_INPUTS}, {_SAVED}, Tensor(a!) grad_weight_into, str call) -> Tensor[]",
+    schema=f"({_INPUTS}, {_SAVED}, Tensor(a!) grad_weight_into, str call) -> (Tensor, Tensor)",
 )
 def fused_into_backward(
     hidden: torch.Tensor,
@@ -112,14 +114,25 @@ def fused_into_backward(
     upstream: list[torch.Tensor],
     grad_weight_into: torch.Tensor,
     call: str,
-) -> list[torch.Tensor]:
-    """The ``into`` route's gradients of hidden and bias; the buffer settled."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``into`` route's gradients of hidden and bias (`into_slots`); the buffer settled."""
     decoded = decode_call(call)
     plan = plan_call(decoded, hidden, weight, targets, agree=False)
     grads = into_backward(
         hidden, weight, bias, targets, saved, upstream, grad_weight_into, plan, decoded
     )
-    return [grad for grad in grads if grad is not None]
+    return into_slots([grad for grad in grads if grad is not None], decoded, hidden)
+
+
+def into_slots(
+    grads: list[torch.Tensor], call: Call, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wanted ``grads`` of hidden and bias in two fixed slots, an empty tensor in an unwanted
+    one: functionalization (what lets the compiler run an op that mutates an argument) takes
+    fixed tuples of tensors from a mutating op, not a ``Tensor[]``."""
+    rest = iter(grads)
+    wanted = (call.wanted.hidden, call.wanted.bias)
+    return tuple(next(rest) if need else like.new_empty(0) for need in wanted)
 
 
 def fake_outputs(
@@ -159,7 +172,9 @@ def _fused_fake(hidden, weight, bias, targets, call):
 
 @fused_into.register_fake
 def _fused_into_fake(hidden, weight, bias, targets, grad_weight_into, call):
-    return fake_outputs(hidden, weight, targets, decode_call(call))
+    decoded = decode_call(call)
+    outputs = fake_outputs(hidden, weight, targets, decoded)
+    return (*outputs[:2], *into_slots(outputs[2:], decoded, hidden))
 
 
 @fused_backward.register_fake
@@ -169,51 +184,52 @@ def _fused_backward_fake(hidden, weight, bias, targets, saved, upstream, call):
 
 @fused_into_backward.register_fake
 def _fused_into_backward_fake(hidden, weight, bias, targets, saved, upstream, buffer, call):
-    return fake_grads(hidden, weight, decode_call(call))
+    decoded = decode_call(call)
+    return into_slots(fake_grads(hidden, weight, decoded), decoded, hidden)
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
+def _setup_context(
+    ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor], call: Call | None = None
+) -> None:
+    """Save what `_backward` needs; ``call``: the decoded call where the caller has it (Dynamo
+    traces `IntoGradBuffer` itself, and cannot trace `decode_call`'s parser)."""
     hidden, weight, bias, targets, *rest = inputs
     ctx.save_for_backward(hidden, weight, bias, targets, *output[2:])
     ctx.call = rest[-1]
+    ctx.decoded = decode_call(rest[-1]) if call is None else call
     # The into route's buffer and Megatron's flags: not saved (megatron's layers keep main_grad
     # out of version checks), and the weight object itself carries the flags.
     ctx.buffer = rest[0] if len(rest) == 2 else None
     ctx.flagged_weight = weight
     # The saved tensors; and the losses' z term (for logging), while entropy is differentiable.
-    first = 2 if decode_call(rest[-1]).route == "tokens" else 1
+    first = 2 if ctx.decoded.route == "tokens" else 1
     ctx.mark_non_differentiable(*output[first:])
 
 
 def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
-    call = decode_call(ctx.call)
+    call = ctx.decoded
     hidden, weight, bias, targets, *saved = ctx.saved_tensors
     acc = accumulation_dtype(weight.dtype)
     upstream = [hidden.new_zeros((), dtype=acc) if g is None else g for g in grads[:2]]
-    extra = (None,) * (3 if ctx.buffer is not None else 2)  # targets, [buffer,] call
+    # No gradient for: targets, [buffer, the decoded call (`IntoGradBuffer`),] the call's text.
+    extra = (None,) * (4 if ctx.buffer is not None else 2)
     if torch.is_grad_enabled():  # create_graph=True: this backward is differentiated too
         wanted = Wanted(*ctx.needs_input_grad[:3])
         plan = plan_call(call, hidden, weight, targets, agree=False)
         result = grads_with_graph(hidden, weight, bias, targets, upstream, plan, call, wanted)
         return (*result, *extra)
-    if call.route == "into":
-        out = torch.ops.lce.fused_into_backward(
+    wanted = call.wanted
+    if call.route == "into":  # the weight's gradient went to the buffer
+        grad_hidden, grad_bias = torch.ops.lce.fused_into_backward(
             hidden, weight, bias, targets, saved, upstream, ctx.buffer, ctx.call
         )
-    else:
-        out = torch.ops.lce.fused_backward(hidden, weight, bias, targets, saved, upstream, ctx.call)
-    out = list(out)
-    wanted = fake_wanted(call)
-    result = [out.pop(0) if need else None for need in wanted]
-    if call.route == "into" and call.wanted.weight:
-        result[1] = megatron_weight_grad(ctx.flagged_weight)
-    return (*result, *extra)
-
-
-def fake_wanted(call: Call) -> tuple[bool, bool, bool]:
-    """Which gradients a backward op returns (the into route's weight goes to the buffer)."""
-    wanted = call.wanted
-    return wanted.hidden, wanted.weight and call.route != "into", wanted.bias
+        grad_weight = megatron_weight_grad(ctx.flagged_weight) if wanted.weight else None
+        result = [grad_hidden if wanted.hidden else None, grad_weight]
+        return (*result, grad_bias if wanted.bias else None, *extra)
+    out = list(
+        torch.ops.lce.fused_backward(hidden, weight, bias, targets, saved, upstream, ctx.call)
+    )
+    return (*(out.pop(0) if need else None for need in wanted), *extra)
 
 
 fused.register_autograd(_backward, setup_context=_setup_context)
@@ -232,10 +248,12 @@ class IntoGradBuffer(torch.autograd.Function):
         bias: torch.Tensor | None,
         targets: torch.Tensor,
         buffer: torch.Tensor,
-        call: str,
+        text: str,
+        call: Call,
     ) -> tuple[torch.Tensor, ...]:
-        outputs = torch.ops.lce.fused_into(hidden, weight, bias, targets, buffer, call)
-        _setup_context(ctx, (hidden, weight, bias, targets, buffer, call), outputs)
+        """``text``: ``call`` encoded (`lce.call.encode_call`)."""
+        outputs = torch.ops.lce.fused_into(hidden, weight, bias, targets, buffer, text)
+        _setup_context(ctx, (hidden, weight, bias, targets, buffer, text), outputs, call)
         return tuple(outputs)
 
     @staticmethod

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import lce
+from lce.options import LogitOptions
 from verify.cases.build import Problem, build
 from verify.cases.spec import CaseSpec
 from verify.numerics.compare import compare
-from verify.numerics.reference import IGNORE_INDEX, Reference, baseline, reference
+from verify.numerics.reference import IGNORE_INDEX, Reference, Upstream, baseline, reference
 from verify.numerics.tolerances import dtype_key, load
 
 
@@ -44,12 +45,14 @@ def reference_and_baseline(
     temperature: float,
     grad_logprob: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
+    grad_loss: torch.Tensor | None = None,
 ) -> tuple[Reference, Reference]:
+    """R and B of the plain head at ``temperature`` under these upstream gradients (``grad_loss``
+    on the per-token losses, `verify.numerics.reference.loss_upstream_grad`)."""
     kwargs = dict(
         ignore_index=IGNORE_INDEX,
-        temperature=temperature,
-        grad_logprob=grad_logprob,
-        grad_entropy=grad_entropy,
+        options=LogitOptions(temperature=temperature),
+        upstream=Upstream(grad_logprob, grad_entropy, grad_loss),
     )
     return reference(hidden, weight, targets, **kwargs), baseline(hidden, weight, targets, **kwargs)
 

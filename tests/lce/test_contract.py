@@ -193,7 +193,7 @@ def test_fp64_scalar_loss_keeps_fp64_and_matches_the_reference(reduction):
     valid = problem.targets != IGNORE_INDEX
     upstream = loss_upstream_grad(valid, reduction, torch.tensor(0.4, dtype=torch.float64))
     ref, base = reference_and_baseline(
-        problem.hidden, problem.weight, problem.targets, 1.0, upstream, None
+        problem.hidden, problem.weight, problem.targets, 1.0, None, None, upstream
     )
     assert hidden.grad.dtype == torch.float64
     triples = {

@@ -16,7 +16,7 @@ from tests.helpers.checks import (
     reference_and_baseline,
     run_lce,
 )
-from verify.numerics.reference import IGNORE_INDEX, loss_upstream_grad, reference
+from verify.numerics.reference import IGNORE_INDEX, Upstream, loss_upstream_grad, reference
 
 # Small shapes: V=97 is prime (never a multiple of a tile), H=40 is not a multiple of 16.
 T, H, V = 37, 40, 97
@@ -73,7 +73,7 @@ def test_loss_reductions_match_reference(backend, dtypes, reduction):
     valid = problem.targets != IGNORE_INDEX
     upstream = loss_upstream_grad(valid, reduction, grad_loss.double())
     ref, base = reference_and_baseline(
-        problem.hidden, problem.weight, problem.targets, 1.3, upstream, None
+        problem.hidden, problem.weight, problem.targets, 1.3, None, None, upstream
     )
     kernel = {"grad_hidden": hidden.grad, "grad_weight": weight.grad}
     assert_outputs_match(kernel, ref, base, *dtypes)
@@ -90,7 +90,7 @@ def test_confident_rows_keep_relative_precision(backend):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = lce.token_logprobs(h, w, targets, backend=backend)
     torch.autograd.backward([out.logprobs, out.entropy], [g_lp, g_ent])
-    ref = reference(hidden, weight, targets, grad_logprob=g_lp, grad_entropy=g_ent)
+    ref = reference(hidden, weight, targets, upstream=Upstream(g_lp, g_ent))
     # delta: the worst-case fp32 error of one logit (H rounded products). Every output checked is
     # a smooth function of logit differences, so fp32 math can be held to delta relative per row:
     # measured <= 0.14 delta on both backends; the old 1 - p_y was off by 26 to 260000 delta.

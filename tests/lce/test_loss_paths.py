@@ -17,7 +17,7 @@ from tests.helpers.checks import (
     core_problem,
     reference_and_baseline,
 )
-from verify.numerics.reference import loss_upstream_grad, reference
+from verify.numerics.reference import Upstream, loss_upstream_grad, reference
 
 T, H, V = 37, 40, 97
 # Not 1 and negative, so the buffer path's forward assumption (an upstream of 1) fails on every
@@ -38,7 +38,7 @@ def _expected(problem, reduction, grad_loss):
     valid = problem.valid
     upstream = loss_upstream_grad(valid, reduction, grad_loss.double())
     return reference_and_baseline(
-        problem.hidden, problem.weight, problem.targets, 1.3, upstream, None
+        problem.hidden, problem.weight, problem.targets, 1.3, None, None, upstream
     )
 
 
@@ -199,7 +199,7 @@ def test_confident_rows_keep_relative_precision(backend, path):
     loss = lce.linear_cross_entropy(h, w, targets.to(DEVICE), reduction="sum", backend=backend,
                                     **kwargs)  # fmt: skip
     loss.backward()
-    ref = reference(hidden, weight, targets, grad_logprob=-torch.ones(len(targets)))
+    ref = reference(hidden, weight, targets, upstream=Upstream(loss=torch.ones(len(targets))))
     grad_weight = w.grad if path == "fast" else buffer
     # The bound of test_core's confident-row test: one logit's worst fp32 error, relative per row.
     delta = hidden.shape[1] * 2.0**-24 * (hidden.abs() @ weight.abs().T).max().item()

@@ -378,7 +378,7 @@ def _linearity_with_d_logits(spec: CaseSpec, name: str, rounding) -> float:
         onehot = torch.zeros_like(p)
         onehot[valid, problem.targets[valid]] = 1.0
         if name.startswith("loss_"):
-            g_lp = loss_upstream_grad(valid, spec.reduction, problem.grad_loss.double())
+            g_lp = -loss_upstream_grad(valid, spec.reduction, problem.grad_loss.double())
             g_ent = torch.zeros_like(g_lp)
         else:
             g_lp, g_ent = problem.grad_logprob.double(), problem.grad_entropy.double()

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from verify.numerics.reference import reference
+from verify.numerics.reference import Upstream, reference
 
 
 def test_confident_row_keeps_relative_precision() -> None:
@@ -19,7 +19,7 @@ def test_confident_row_keeps_relative_precision() -> None:
     hidden = torch.ones(1, 1, dtype=torch.float64)
     weight = torch.tensor([[20.0], [-20.0]], dtype=torch.float64)
     g_lp, g_ent = torch.tensor([0.3], dtype=torch.float64), torch.tensor([0.7], dtype=torch.float64)
-    ref = reference(hidden, weight, torch.tensor([0]), grad_logprob=g_lp, grad_entropy=g_ent)
+    ref = reference(hidden, weight, torch.tensor([0]), upstream=Upstream(g_lp, g_ent))
     e = math.exp(-40.0)
     q, p_y = e / (1.0 + e), 1.0 / (1.0 + e)
     d_target = 0.3 * q - 0.7 * p_y * 40.0 * q

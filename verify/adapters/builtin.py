@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from dataclasses import asdict, replace
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,7 @@ from verify.adapters.interface import (
     Limits,
     NumericalContract,
 )
-from verify.cases.spec import BACKENDS, LOSS_PATHS
+from verify.cases.spec import BACKENDS, LOSS_OPTIONS, LOSS_PATHS, OPTION_FIELDS
 
 # What lce raises on an input it refuses; any other exception is a bug (it propagates).
 LCE_REFUSALS = (ValueError, TypeError, IndexError, RuntimeError)
@@ -39,7 +41,8 @@ os.environ.setdefault(HOST_CHECKS_ENV, "1")
 
 
 def _lce_tokens(call: Call) -> dict[str, torch.Tensor]:
-    out = lce.token_logprobs(call.hidden, call.weight, call.targets, **_lce_kwargs(call))
+    kwargs = {k: v for k, v in _lce_kwargs(call).items() if k not in LOSS_OPTIONS}
+    out = lce.token_logprobs(call.hidden, call.weight, call.targets, **kwargs)
     return {"logprobs": out.logprobs, "entropy": out.entropy}
 
 
@@ -102,8 +105,9 @@ class _MainGradView(torch.autograd.Function):
 
 
 def _lce_kwargs(call: Call) -> dict:
+    """lce's keyword arguments of ``call``: every field of its options record, and the bias."""
     return {
-        "ignore_index": call.ignore_index, "temperature": call.temperature,
+        **asdict(call.options), "bias": call.bias, "ignore_index": call.ignore_index,
         "tp_group": call.tp_group, "vocab_start": call.vocab_start, "backend": call.backend,
         "chunk_size": call.chunk_size, "reduce_grad_hidden": call.reduce_grad_hidden,
     }  # fmt: skip
@@ -112,7 +116,7 @@ def _lce_kwargs(call: Call) -> dict:
 def lce_adapter(backends: tuple[str, ...] = BACKENDS) -> Adapter:
     """lce itself; ``Call.backend`` picks the backend among ``backends``."""
     caps = Capabilities(
-        temperature=True, tensor_parallel=True, chunk_size=True, backends=backends,
+        options=OPTION_FIELDS, tensor_parallel=True, chunk_size=True, backends=backends,
         deterministic=True, validates_inputs=True, loss_paths=LOSS_PATHS,
         double_backward=("torch",),
     )  # fmt: skip
@@ -125,37 +129,40 @@ def lce_adapter(backends: tuple[str, ...] = BACKENDS) -> Adapter:
 
 
 def flat_loss_adapter(
-    name: str,
-    loss_2d: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, str], torch.Tensor],
-    **fields,
+    name: str, loss_2d: Callable[[Call, str], torch.Tensor], **fields: Any
 ) -> Adapter:
-    """An adapter for a loss taking 2-D ``(hidden [N, H], weight, targets [N], ignore_index,
-    reduction)``: hidden is cast to weight's dtype (as a linear layer does), 3-D inputs are
-    flattened, and log-probs come from ``-loss(reduction='none')``."""
+    """An adapter for a loss of 2-D inputs, ``loss_2d(call, reduction)`` with ``call.hidden``
+    ``[N, H]`` cast to weight's dtype (as a linear layer does) and ``call.targets`` ``[N]`` (3-D
+    inputs flattened); log-probs come from ``-loss(reduction='none')``."""
 
     def loss(call: Call, reduction: str) -> torch.Tensor:
         hidden = call.hidden.to(call.weight.dtype).reshape(-1, call.hidden.shape[-1])
-        out = loss_2d(hidden, call.weight, call.targets.reshape(-1), call.ignore_index, reduction)
+        flat = replace(call, hidden=hidden, targets=call.targets.reshape(-1))
+        out = loss_2d(flat, reduction)
         return out.view(call.targets.shape) if reduction == "none" else out
 
     def tokens(call: Call) -> dict[str, torch.Tensor]:
-        return {"logprobs": -loss(call, "none")}
+        plain = replace(call, options=replace(call.options, z_loss=0.0, label_smoothing=0.0))
+        return {"logprobs": -loss(plain, "none")}
 
     return Adapter(name, ("logprobs", "loss"), tokens, loss, **fields)
 
 
 def torch_adapter() -> Adapter:
-    """``torch.nn.functional.linear_cross_entropy`` (PyTorch >= 2.13), its reference path."""
+    """``torch.nn.functional.linear_cross_entropy`` (PyTorch >= 2.13), its reference path: bias
+    (``linear_bias``) and label smoothing."""
     if not hasattr(F, "linear_cross_entropy"):
         raise AdapterError(f"torch {torch.__version__} has no F.linear_cross_entropy; need >= 2.13")
 
-    def loss_2d(hidden, weight, targets, ignore_index, reduction):
+    def loss_2d(call: Call, reduction: str) -> torch.Tensor:
         return F.linear_cross_entropy(
-            hidden, weight, targets, reduction=reduction, ignore_index=ignore_index
-        )
+            call.hidden, call.weight, call.targets, linear_bias=call.bias, reduction=reduction,
+            ignore_index=call.ignore_index, label_smoothing=call.options.label_smoothing,
+        )  # fmt: skip
 
     return flat_loss_adapter(
         "torch", loss_2d, contract=NumericalContract(logits="input", outputs="input"),
+        capabilities=Capabilities(options=("bias", "label_smoothing")),
         description="torch.nn.functional.linear_cross_entropy (options=None)",
         skip=(("torch_peer", "the torch peer is this implementation: it would judge itself"),),
     )  # fmt: skip
@@ -174,33 +181,39 @@ def _need_cuda(name: str) -> None:
 
 
 def liger_adapter() -> Adapter:
-    """Liger's fused linear cross-entropy (``liger_kernel``), CUDA only."""
+    """Liger's fused linear cross-entropy (``liger_kernel``), CUDA only: bias, softcap, z-loss
+    (``lse_square_scale``) and label smoothing."""
     functional = _import("liger_kernel.transformers.functional", "liger-kernel")
     _need_cuda("liger")
 
-    def loss_2d(hidden, weight, targets, ignore_index, reduction):
+    def loss_2d(call: Call, reduction: str) -> torch.Tensor:
+        options = call.options
         return functional.liger_fused_linear_cross_entropy(
-            hidden, weight, targets, ignore_index=ignore_index, reduction=reduction
-        )
+            call.hidden, call.weight, call.targets, bias=call.bias,
+            ignore_index=call.ignore_index, reduction=reduction, softcap=options.softcap,
+            lse_square_scale=options.z_loss, label_smoothing=options.label_smoothing,
+        )  # fmt: skip
 
     # Liger materializes logits chunk by chunk in the input dtype; its loss buffer is fp32.
     return flat_loss_adapter(
         "liger", loss_2d, contract=NumericalContract(logits="input", outputs="fp32"),
+        capabilities=Capabilities(options=("bias", "softcap", "z_loss", "label_smoothing")),
         device="cuda",
         description="liger_kernel.transformers.functional.liger_fused_linear_cross_entropy",
     )  # fmt: skip
 
 
 def cce_adapter(filter_eps: float | str | None = "high") -> Adapter:
-    """Apple's cut-cross-entropy (``impl='cce'``), CUDA only. ``filter_eps`` is CCE's gradient
-    filter: its default ``"high"`` skips softmax entries below a threshold (an approximation by
-    design); ``None`` computes every entry."""
+    """Apple's cut-cross-entropy (``impl='cce'``), CUDA only: bias and softcap. ``filter_eps``
+    is CCE's gradient filter: its default ``"high"`` skips softmax entries below a threshold (an
+    approximation by design); ``None`` computes every entry."""
     cce = _import("cut_cross_entropy", "cut-cross-entropy")
     _need_cuda("cce")
 
-    def loss_2d(hidden, weight, targets, ignore_index, reduction):
+    def loss_2d(call: Call, reduction: str) -> torch.Tensor:
         return cce.linear_cross_entropy(
-            hidden, weight, targets, ignore_index=ignore_index, reduction=reduction,
+            call.hidden, call.weight, call.targets, bias=call.bias,
+            ignore_index=call.ignore_index, softcap=call.options.softcap, reduction=reduction,
             filter_eps=filter_eps, impl="cce",
         )  # fmt: skip
 
@@ -211,10 +224,8 @@ def cce_adapter(filter_eps: float | str | None = "high") -> Adapter:
     # fp32 is not claimed: CCE's backward asserts "Backwards requires embeddings to be bf16 or
     # fp16" (seen on an H200 with cut-cross-entropy 25.1.1).
     pairs = (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
-    return flat_loss_adapter(
-        name, loss_2d, device="cuda", description=call,
-        capabilities=Capabilities(dtype_pairs=pairs),
-    )  # fmt: skip
+    caps = Capabilities(dtype_pairs=pairs, options=("bias", "softcap"))
+    return flat_loss_adapter(name, loss_2d, device="cuda", description=call, capabilities=caps)
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -253,7 +264,7 @@ def verl_adapter(pairs: tuple[tuple[str, str], ...] = VERL_PAIRS) -> Adapter:
         if call.tp_group is not None and call.reduce_grad_hidden:
             hidden = _SumGradOverGroup.apply(hidden, call.tp_group)  # verl leaves it partial
         logprobs, entropy = kernel.linear_cross_entropy(
-            hidden, call.weight, call.targets, float(call.temperature), "none", call.tp_group
+            hidden, call.weight, call.targets, call.options.temperature, "none", call.tp_group
         )
         return {
             "logprobs": logprobs.view(call.targets.shape),
@@ -264,7 +275,7 @@ def verl_adapter(pairs: tuple[tuple[str, str], ...] = VERL_PAIRS) -> Adapter:
     # and weight.is_contiguous()`, grad_weight allocated in hidden's dtype (equal pairs only),
     # global ids `offs + rank * vocab_local` (equal shards), and no ignore_index parameter.
     caps = Capabilities(
-        ignore_index=False, temperature=True, tensor_parallel=True, strided=False,
+        ignore_index=False, options=("temperature",), tensor_parallel=True, strided=False,
         dtype_pairs=pairs, limits=Limits(hidden_multiple=128, even_shards=True),
     )  # fmt: skip
     name = "verl" if pairs == VERL_PAIRS else "verl-" + "-".join(h for h, _ in pairs)

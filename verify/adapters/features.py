@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from verify.adapters.interface import Adapter
-from verify.cases.spec import DTYPE_PAIRS, REDUCTIONS, CaseSpec
+from verify.cases.spec import (
+    DTYPE_PAIRS,
+    FAULT_OPTIONS,
+    OPTION_DEFAULTS,
+    OPTION_FIELDS,
+    REDUCTIONS,
+    CaseSpec,
+)
 from verify.numerics.reference import IGNORE_INDEX
 
 
@@ -46,6 +53,33 @@ def _always(changes: dict[str, Any]) -> Callable[[CaseSpec, Adapter], dict[str, 
     return lambda spec, adapter: changes
 
 
+def _option(name: str) -> Callable[[Adapter], bool]:
+    return lambda adapter: name in adapter.capabilities.options
+
+
+def _without_option(name: str) -> Callable[[CaseSpec, Adapter], dict[str, Any]]:
+    """The option at its default; a fault passing a bad value of it becomes a bad target id."""
+
+    def leave_out(spec: CaseSpec, adapter: Adapter) -> dict[str, Any]:
+        changes: dict[str, Any] = {name: OPTION_DEFAULTS[name]}
+        if FAULT_OPTIONS.get(spec.fault) == name:
+            changes["fault"] = "target_ge_vocab"
+        return changes
+
+    return leave_out
+
+
+# How the report names each model option an implementation does not claim.
+OPTION_GAPS = {
+    "temperature": "temperature != 1",
+    "logit_scale": "logit scale (logit_scale != 1)",
+    "softcap": "final-logit softcapping (softcap)",
+    "bias": "LM-head bias",
+    "z_loss": "z-loss",
+    "label_smoothing": "label smoothing",
+}
+
+
 def _reduction(spec: CaseSpec, adapter: Adapter) -> dict[str, Any]:
     claimed = adapter.capabilities.reductions
     if spec.reduction in claimed:
@@ -72,7 +106,10 @@ def _missing_pairs(adapter: Adapter) -> list[str]:
 FEATURES: tuple[Feature, ...] = (
     Feature("ignore_index", _flag("ignore_index"),
             _always({"ignore": "none", "ignore_index": IGNORE_INDEX})),
-    Feature("temperature != 1", _flag("temperature"), _always({"temperature": 1.0})),
+    *(
+        Feature(OPTION_GAPS[name], _option(name), _without_option(name))
+        for name in OPTION_FIELDS
+    ),
     Feature("3-D [B, T, H] inputs", _flag("batched"), _always({"batch": 0})),
     Feature("non-contiguous inputs", _flag("strided"), _always({"layout": "contiguous"})),
     Feature("T = 0", _flag("empty"),
@@ -105,7 +142,7 @@ def coerce(adapter: Adapter, spec: CaseSpec) -> CaseSpec:
 def unclaimed(adapter: Adapter, tp_sizes: tuple[int, ...]) -> list[Untested]:
     """Every feature ``adapter`` leaves untested here, with the reason, for the report."""
     reason = "not claimed by the adapter"
-    gaps = [Untested("bias", "the harness generates bias-free heads only")]
+    gaps = []
     for feature in FEATURES:
         if feature.claimed(adapter):
             continue

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from verify.cases.spec import BACKENDS, DTYPE_PAIRS, REDUCTIONS, CaseSpec
+from lce.options import LogitOptions
+from verify.cases.spec import BACKENDS, DTYPE_PAIRS, OPTION_FIELDS, REDUCTIONS, CaseSpec
 from verify.numerics.reference import IGNORE_INDEX
 
 OUTPUTS = ("logprobs", "entropy", "loss")
@@ -36,26 +37,35 @@ class Call:
 
     ``hidden``: ``[T, H]`` or ``[B, T, H]`` (possibly non-contiguous, possibly of another dtype
     than ``weight``: cast it like a linear layer would). ``weight``: this rank's rows
-    ``[V_local, H]``. ``targets``: global ids shaped like ``hidden`` without its last dim;
-    ``ignore_index`` marks ignored tokens. ``tp_group``/``vocab_start``: vocab parallelism (None
-    without TP; ``vocab_start`` None means ``rank * V_local``); ``reduce_grad_hidden`` False asks
-    for this rank's partial grad_hidden (the harness sums the ranks', like a reduce-scatter).
-    ``backend``/``chunk_size``: the spec's values, for implementations that claim them
-    (`Capabilities.backends`, ``chunk_size``). ``loss_path``: which of lce's scalar-loss paths
-    (`verify.cases.spec.LOSS_PATHS`); other implementations have one and ignore it.
+    ``[V_local, H]``; ``bias``: this rank's ``[V_local]`` LM-head bias (weight's dtype), or None.
+    ``targets``: global ids shaped like ``hidden`` without its last dim; ``ignore_index`` marks
+    ignored tokens. ``options``: the model options (`lce.LogitOptions`: temperature, logit scale,
+    softcap, z-loss, label smoothing; the logits are ``cap * tanh(s * (h @ W.T + b) / cap) /
+    T``); only those the implementation claims (`Capabilities.options`) are ever set.
+    ``tp_group``/``vocab_start``: vocab parallelism (None without TP; ``vocab_start`` None means
+    ``rank * V_local``); ``reduce_grad_hidden`` False asks for this rank's partial grad_hidden
+    (the harness sums the ranks', like a reduce-scatter). ``backend``/``chunk_size``: the spec's
+    values, for implementations that claim them (`Capabilities.backends`, ``chunk_size``).
+    ``loss_path``: which of lce's scalar-loss paths (`verify.cases.spec.LOSS_PATHS`); other
+    implementations have one and ignore it.
     """
 
     hidden: torch.Tensor
     weight: torch.Tensor
     targets: torch.Tensor
     ignore_index: int = IGNORE_INDEX
-    temperature: float = 1.0
+    options: LogitOptions = field(default_factory=LogitOptions)
     tp_group: dist.ProcessGroup | None = None
     vocab_start: int | None = None
     reduce_grad_hidden: bool = True
     backend: str = "torch"
     chunk_size: int | None = None
     loss_path: str = "default"
+    bias: torch.Tensor | None = None
+
+    @property
+    def temperature(self) -> float:
+        return self.options.temperature
 
 
 # token_outputs(call) -> {"logprobs": [..targets shape], "entropy": [..] (if claimed)}
@@ -147,7 +157,9 @@ class Capabilities:
 
     ``reductions``: loss reductions (``mean`` is over non-ignored tokens). ``ignore_index``:
     honours ``Call.ignore_index`` (ignored tokens give 0 outputs and 0 gradients).
-    ``temperature``: honours ``Call.temperature`` (logits divided by it). ``tensor_parallel``:
+    ``options``: the model options it honours, of `verify.cases.spec.OPTION_FIELDS`
+    (``temperature``, ``logit_scale``, ``softcap``, ``bias``, ``z_loss``, ``label_smoothing``:
+    ``Call.options`` and ``Call.bias``); the others stay at their defaults. ``tensor_parallel``:
     works on a vocab shard with ``Call.tp_group``. ``dtype_pairs``: ``(hidden, weight)`` dtype
     names, mixed pairs included. ``batched``: accepts 3-D hidden. ``strided``: accepts
     non-contiguous hidden/weight. ``empty``: accepts T = 0. ``frozen``: gradients when only one of
@@ -166,7 +178,7 @@ class Capabilities:
 
     reductions: tuple[str, ...] = REDUCTIONS
     ignore_index: bool = True
-    temperature: bool = False
+    options: tuple[str, ...] = ()
     tensor_parallel: bool = False
     dtype_pairs: tuple[tuple[str, str], ...] = DEFAULT_PAIRS
     batched: bool = True
@@ -184,6 +196,7 @@ class Capabilities:
 
     def __post_init__(self) -> None:
         _subset("reductions", self.reductions, REDUCTIONS)
+        _subset("options", self.options, OPTION_FIELDS)
         _subset("backends", self.backends, BACKENDS)
         _subset("double_backward", self.double_backward or (), BACKENDS)
         _subset("dtype_pairs", self.dtype_pairs, DTYPE_PAIRS)

@@ -16,7 +16,13 @@ from functools import cache
 import torch
 
 from verify.adapters.builtin import BUILTIN, flat_loss_adapter
-from verify.adapters.interface import Adapter, AdapterError, Capabilities, NumericalContract
+from verify.adapters.interface import (
+    Adapter,
+    AdapterError,
+    Call,
+    Capabilities,
+    NumericalContract,
+)
 from verify.cases.spec import REDUCTIONS
 
 
@@ -85,13 +91,13 @@ def from_loss_fn(fn: Callable[..., torch.Tensor], name: str | None = None) -> Ad
     params = inspect.signature(fn).parameters
     has = {key: key in params for key in ("reduction", "ignore_index")}
 
-    def loss_2d(hidden, weight, targets, ignore_index, reduction):
-        kwargs = {}
+    def loss_2d(call: Call, reduction: str) -> torch.Tensor:
+        kwargs: dict[str, object] = {}
         if has["reduction"]:
             kwargs["reduction"] = reduction
         if has["ignore_index"]:
-            kwargs["ignore_index"] = ignore_index
-        return fn(hidden, weight, targets, **kwargs)
+            kwargs["ignore_index"] = call.ignore_index
+        return fn(call.hidden, call.weight, call.targets, **kwargs)
 
     caps = Capabilities(
         reductions=REDUCTIONS if has["reduction"] else ("mean",),

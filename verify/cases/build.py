@@ -41,6 +41,7 @@ class Problem:
     embed_ids: torch.Tensor | None
     offset_feature: bool  # column 0 of hidden is the constant 1 that carries the common offset
     ignore_index: int = IGNORE_INDEX
+    bias: torch.Tensor | None = None  # [V] in weight's dtype (None: a bias-free head)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -61,6 +62,7 @@ class Draws:
     permutation: torch.Tensor
     retargets: torch.Tensor
     perturbed: torch.Tensor
+    bias: torch.Tensor  # drawn last: the draws before it are those of specs saved without a bias
 
 
 def draw(spec: CaseSpec) -> Draws:
@@ -82,6 +84,7 @@ def draw(spec: CaseSpec) -> Draws:
         permutation=torch.randperm(v, generator=gen),
         retargets=torch.randint(0, v, (n,), generator=gen),
         perturbed=torch.randn(n, h, **f64),
+        bias=torch.randn(v, **f64),
     )
 
 
@@ -103,8 +106,10 @@ def build(spec: CaseSpec) -> Problem:
 
 
 @lru_cache(maxsize=64)
-def _untransformed(spec: CaseSpec) -> tuple[Draws, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draws, targets and the regime's float64 hidden and weight, shared by a spec's transforms
+def _untransformed(
+    spec: CaseSpec,
+) -> tuple[Draws, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Draws, targets and the regime's float64 hidden, weight and bias, shared by the transforms
     (``_offset_column`` alone reads the transform: pass ``unshift`` or ``none``). Read only."""
     d = draw(spec)
     targets = _targets(spec, d)
@@ -115,7 +120,7 @@ def _untransformed(spec: CaseSpec) -> tuple[Draws, torch.Tensor, torch.Tensor, t
 def _build(spec: CaseSpec) -> Problem:
     """`build` without the copy: its tensors are the cache's, never modified in place."""
     base = spec.with_(transform="unshift" if spec.transform == "unshift" else "none")
-    d, targets, hidden, weight = _untransformed(base)
+    d, targets, hidden, weight, bias = _untransformed(base)
     pad = spec.ignore_index
     if spec.transform == "retarget":  # after the regime: peaked rows keep their hidden
         targets = _retargets(spec, d.retargets, targets)
@@ -128,6 +133,7 @@ def _build(spec: CaseSpec) -> Problem:
     if spec.transform == "vocab_permute":
         inverse = torch.argsort(d.permutation)  # new position of each old row
         weight, targets, embed_ids = weight[d.permutation], inverse[targets], inverse[embed_ids]
+        bias = None if bias is None else bias[d.permutation]
         if 0 <= pad < spec.vocab:  # the pad row moved too: it is the same token, renamed
             pad = int(inverse[pad])
     targets = torch.where(ignored, pad, targets)
@@ -141,7 +147,7 @@ def _build(spec: CaseSpec) -> Problem:
     return Problem(
         hidden_c, weight_c, targets, grad_logprob, grad_entropy, grad_loss,
         hidden_base, embed_ids if spec.tied else None, spec.regime in ("offset", "negative"),
-        pad,
+        pad, None if bias is None else bias.to(weight_c.dtype),
     )  # fmt: skip
 
 
@@ -201,40 +207,56 @@ def _ignored(spec: CaseSpec, choice: torch.Tensor) -> torch.Tensor:
 
 def _logit_regime(
     spec: CaseSpec, d: Draws, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 hidden and weight whose logits follow ``spec.regime`` (temperature included)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """float64 hidden, weight and bias whose logits follow ``spec.regime`` (in logit units: raw
+    dots are scaled by ``T / s``, temperature and logit scale included; a softcap then bends
+    them). The bias has a standard deviation of ``spec.bias`` logits (None when 0)."""
     hidden, weight = d.hidden.clone(), d.weight.clone()
+    unit = spec.temperature / spec.logit_scale  # raw units per logit
+    bias = d.bias * (spec.bias * unit) if spec.bias else None
     shifted = spec.regime in ("offset", "negative")
     rest = slice(1, None) if shifted else slice(None)
     width = max(weight[:, rest].shape[1], 1)
     scale = max(spec.scale, SPREAD_SCALE) if spec.regime == "spread" else spec.scale
-    weight[:, rest] *= scale * spec.temperature / width**0.5
+    weight[:, rest] *= scale * unit / width**0.5
     if spec.regime == "peaked" and spec.vocab > 1 and spec.num_tokens:
-        _peak(hidden, weight, targets, rest, PEAK_MARGIN * spec.temperature)
+        _peak(hidden, weight, bias, targets, rest, PEAK_MARGIN * unit)
     if shifted:
         hidden[:, 0] = 1.0
-        weight[:, 0] = _offset_column(spec, hidden, weight)
-    return hidden, weight
+        weight[:, 0] = _offset_column(spec, hidden, weight, bias, unit)
+    return hidden, weight, bias
 
 
-def _offset_column(spec: CaseSpec, hidden: torch.Tensor, weight: torch.Tensor) -> float:
+def _offset_column(
+    spec: CaseSpec,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    unit: float,
+) -> float:
     if spec.transform == "unshift":
         return 0.0
     if spec.regime == "offset":
-        return spec.offset * spec.temperature
-    rest_max = (hidden[:, 1:] @ weight[:, 1:].T).max().item() if spec.num_tokens else 0.0
-    ceiling = -(NEGATIVE_CEILING + abs(spec.offset) + 1.0) * spec.temperature
+        return spec.offset * unit
+    rest = hidden[:, 1:] @ weight[:, 1:].T + (0.0 if bias is None else bias)
+    rest_max = rest.max().item() if spec.num_tokens else 0.0
+    ceiling = -(NEGATIVE_CEILING + abs(spec.offset) + 1.0) * unit
     return ceiling - rest_max
 
 
 def _peak(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cols: slice, margin: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    cols: slice,
+    margin: float,
 ) -> None:
     """Move hidden rows so the target's logit leads the runner-up by ``margin`` (raw units)."""
     rows = torch.arange(hidden.shape[0])
     w = weight[:, cols]
     for _ in range(30):  # each step settles one (target, runner-up) pair; others may overtake
-        logits = hidden[:, cols] @ w.T
+        logits = hidden[:, cols] @ w.T + (0.0 if bias is None else bias)
         target_logit = logits[rows, targets]
         logits[rows, targets] = -torch.inf
         others, runner_up = logits.max(dim=1)

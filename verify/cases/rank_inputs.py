@@ -7,10 +7,11 @@ implementation is decided here, so lce and every adapter see the same tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
+from lce.options import LogitOptions
 from verify.cases.build import Problem, tied_hidden
 from verify.cases.layouts import with_layout
 from verify.cases.spec import CaseSpec
@@ -23,8 +24,9 @@ _WEIGHT_GRADS = ("both", "weight", "twice")
 
 @dataclass(frozen=True)
 class RankInputs:
-    """The leaves of one rank (``hidden`` shaped like the targets plus ``H``; ``weight`` this
-    rank's rows), the targets, and the scalar arguments of the call.
+    """The leaves of one rank (``hidden`` shaped like the targets plus ``H``; ``weight`` and
+    ``bias`` this rank's rows), the targets, and the other arguments of the call (``options``:
+    the model options, possibly a fault's unchecked bad value).
 
     ``embed_ids`` is set for a tied case: the implementation then receives ``hidden + TIE_SCALE *
     weight[embed_ids]`` (`head_hidden`), so gradients reach the weight through both uses.
@@ -33,15 +35,21 @@ class RankInputs:
     hidden: torch.Tensor
     weight: torch.Tensor
     targets: torch.Tensor
-    temperature: float
+    options: LogitOptions
     vocab_start: int | None
     embed_ids: torch.Tensor | None
     ignore_index: int = IGNORE_INDEX
+    bias: torch.Tensor | None = None
 
     @property
     def leaves(self) -> list[torch.Tensor]:
-        """``hidden`` and ``weight``, those that require grad, in that order."""
-        return [t for t in (self.hidden, self.weight) if t.requires_grad]
+        """``hidden``, ``weight`` and ``bias``, those that require grad, in that order."""
+        return [t for t in self.named_leaves().values() if t.requires_grad]
+
+    def named_leaves(self) -> dict[str, torch.Tensor]:
+        """Every leaf by name (``hidden``, ``weight``, ``bias`` when the head has one)."""
+        named = {"hidden": self.hidden, "weight": self.weight, "bias": self.bias}
+        return {name: t for name, t in named.items() if t is not None}
 
     def head_hidden(self) -> torch.Tensor:
         """What the implementation receives as hidden: the leaf, or base + embedding when tied
@@ -53,7 +61,8 @@ class RankInputs:
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of the inputs, to check afterwards that the implementation left them alone."""
-        return {k: getattr(self, k).detach().clone() for k in ("hidden", "weight", "targets")}
+        inputs = {**self.named_leaves(), "targets": self.targets}
+        return {k: t.detach().clone() for k, t in inputs.items()}
 
     def unchanged_since(self, snapshot: dict[str, torch.Tensor]) -> bool:
         """Every input still has the snapshot's values and dtype."""
@@ -74,28 +83,49 @@ def rank_inputs(spec: CaseSpec, problem: Problem, tp_rank: int) -> RankInputs:
     layout = "contiguous" if spec.transform == "untie" else spec.layout
     hidden = with_layout(leaf_hidden.view(*shape, spec.hidden_size), layout)
     weight = with_layout(problem.weight[start:stop], spec.layout)
+    bias = None if problem.bias is None else problem.bias[start:stop].clone()
     targets = problem.targets.clone()
-    temperature = effective_temperature(spec)
+    options = spec.logit_options(effective_temperature(spec))
     if spec.fault == "target_ge_vocab":
         targets[-1] = spec.vocab
     elif spec.fault == "target_negative":
         targets[0] = -2 if problem.ignore_index == -1 else -1  # negative, not the ignore_index
-    elif spec.fault == "temperature_zero":
-        temperature = 0.0
-    elif spec.fault == "temperature_nan":
-        temperature = float("nan")
     elif spec.fault == "hidden_size_mismatch":
         weight = torch.cat([weight, torch.ones_like(weight[:, :1])], dim=1)
+    elif spec.fault == "bias_length":
+        bias = weight.new_zeros(stop - start + 1)
+    elif spec.fault in _BAD_OPTIONS:
+        options = _unchecked(options, **_BAD_OPTIONS[spec.fault])
     targets = targets.view(shape)
     if spec.fault == "targets_float":
         targets = targets.float()
     hidden.requires_grad_(spec.grads in _HIDDEN_GRADS)
     weight.requires_grad_(spec.grads in _WEIGHT_GRADS)
+    if bias is not None:
+        bias.requires_grad_(spec.grads in _WEIGHT_GRADS)  # the head's parameters train together
     embed_ids = problem.embed_ids if tied else None
     return RankInputs(
-        hidden, weight, targets, temperature, explicit_vocab_start(spec, tp_rank), embed_ids,
-        problem.ignore_index,
+        hidden, weight, targets, options, explicit_vocab_start(spec, tp_rank), embed_ids,
+        problem.ignore_index, bias,
     )  # fmt: skip
+
+
+# The option faults: the bad value each passes (an unchecked `LogitOptions` carries it to the call).
+_BAD_OPTIONS = {
+    "temperature_zero": {"temperature": 0.0},
+    "temperature_nan": {"temperature": float("nan")},
+    "softcap_zero": {"softcap": 0.0},
+    "smoothing_above_one": {"label_smoothing": 1.5},
+}
+
+
+def _unchecked(options: LogitOptions, **bad: float) -> LogitOptions:
+    """``options`` with ``bad`` values its constructor would refuse, for the implementation to
+    refuse (the harness passes the record's fields as the call's arguments)."""
+    record = object.__new__(LogitOptions)
+    for f in fields(options):
+        object.__setattr__(record, f.name, bad.get(f.name, getattr(options, f.name)))
+    return record
 
 
 def effective_temperature(spec: CaseSpec) -> float:

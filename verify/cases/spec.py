@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lce.options import LogitOptions
 from verify.numerics.reference import IGNORE_INDEX
 from verify.numerics.tolerances import dtype_key
 
@@ -58,7 +59,19 @@ FAULTS = (
     "temperature_nan",
     "hidden_size_mismatch",
     "targets_float",
+    "softcap_zero",
+    "smoothing_above_one",
+    "bias_length",
 )
+# The model option each fault passes a bad value of: an implementation that does not claim the
+# option never sees the fault (`verify.adapters.features`).
+FAULT_OPTIONS = {
+    "temperature_zero": "temperature",
+    "temperature_nan": "temperature",
+    "softcap_zero": "softcap",
+    "smoothing_above_one": "label_smoothing",
+    "bias_length": "bias",
+}
 # Metamorphic transforms applied by `verify.cases.build` after the base problem is drawn.
 TRANSFORMS = (
     "none",
@@ -81,7 +94,17 @@ WRITTEN_WHEN_SET: dict[str, Any] = {
     "shards": None,
     "ignore_index": IGNORE_INDEX,
     "loss_path": "default",
+    "logit_scale": 1.0,
+    "softcap": None,
+    "bias": 0.0,
+    "z_loss": 0.0,
+    "label_smoothing": 0.0,
 }
+# The model options of the logit map and the loss (`lce.LogitOptions`, the bias beside it), each
+# a spec field; `CaseSpec.logit_options` builds lce's record from them.
+OPTION_FIELDS = ("temperature", "logit_scale", "softcap", "bias", "z_loss", "label_smoothing")
+# Options that are terms of the loss alone (the per-token log-probs and entropy do not see them).
+LOSS_OPTIONS = ("z_loss", "label_smoothing")
 
 
 class SpecError(ValueError):
@@ -127,6 +150,11 @@ class CaseSpec:
     shards: tuple[int, ...] | None = None
     ignore_index: int = IGNORE_INDEX
     loss_path: str = "default"
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    bias: float = 0.0
+    z_loss: float = 0.0
+    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -165,8 +193,21 @@ class CaseSpec:
             raise SpecError(f"scale must be finite and >= 0, got {self.scale}")
         if not math.isfinite(self.offset):
             raise SpecError(f"offset must be finite, got {self.offset}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise SpecError(f"temperature must be finite and > 0, got {self.temperature}")
+        _check_options(self)
+
+    @property
+    def has_options(self) -> bool:
+        """A model option other than the temperature is set (the plain LM head otherwise)."""
+        return any(getattr(self, name) != OPTION_DEFAULTS[name] for name in OPTION_FIELDS[1:])
+
+    def logit_options(self, temperature: float | None = None) -> LogitOptions:
+        """lce's record of the spec's logit map and loss terms (``temperature``: another one,
+        e.g. 1 where a transform folded it into hidden)."""
+        return LogitOptions(
+            temperature=self.temperature if temperature is None else temperature,
+            logit_scale=self.logit_scale, softcap=self.softcap, z_loss=self.z_loss,
+            label_smoothing=self.label_smoothing,
+        )  # fmt: skip
 
     @property
     def num_tokens(self) -> int:
@@ -219,6 +260,12 @@ class CaseSpec:
         return cls(**data)
 
 
+# Each model option's default: the plain LM head.
+OPTION_DEFAULTS: dict[str, Any] = {
+    name: CaseSpec.__dataclass_fields__[name].default for name in OPTION_FIELDS
+}
+
+
 def shard_bounds(
     vocab: int, tp: int, sizes: tuple[int, ...] | None = None
 ) -> list[tuple[int, int]]:
@@ -250,6 +297,21 @@ _CHOICES = {
     "hidden_dtype": tuple(DTYPES),
     "weight_dtype": tuple(DTYPES),
 }
+
+
+def _check_options(spec: CaseSpec) -> None:
+    for name in ("temperature", "logit_scale"):
+        value = getattr(spec, name)
+        if not (math.isfinite(value) and value > 0):
+            raise SpecError(f"{name} must be finite and > 0, got {value}")
+    if spec.softcap is not None and not (math.isfinite(spec.softcap) and spec.softcap > 0):
+        raise SpecError(f"softcap must be None or finite and > 0, got {spec.softcap}")
+    for name in ("bias", "z_loss"):
+        value = getattr(spec, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise SpecError(f"{name} must be finite and >= 0, got {value}")
+    if not 0.0 <= spec.label_smoothing <= 1.0:
+        raise SpecError(f"label_smoothing must be in [0, 1], got {spec.label_smoothing}")
 
 
 def _check_choices(spec: CaseSpec) -> None:

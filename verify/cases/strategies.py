@@ -6,8 +6,12 @@ Simplest values come first in every strategy, so a failure shrinks to a small re
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from hypothesis import strategies as st
 
+from verify.cases.build import SPREAD_SCALE
 from verify.cases.spec import (
     DTYPE_PAIRS,
     FAULTS,
@@ -147,9 +151,54 @@ def case_specs(
     )
     # main_grad adds to its buffer on every backward: two backwards differ by design.
     paths = [p for p in loss_paths if p != "main_grad" or spec.grads != "twice"] or ["default"]
-    if len(paths) == 1:  # no draw: the default strategy's examples stay what they were
-        return spec.with_(loss_path=paths[0])
-    return spec.with_(loss_path=draw(st.sampled_from(paths)))
+    # one path: no draw, so the default strategy's examples stay what they were
+    path = paths[0] if len(paths) == 1 else draw(st.sampled_from(paths))
+    return spec.with_(loss_path=path, **draw(model_options(_logit_budget(spec))))
+
+
+def _logit_budget(spec: CaseSpec) -> float:
+    """How far past the regime's logits `LOGIT_BOUND` leaves room (as `logit_regimes` bounds
+    them: ``4 * scale + 10``, an offset within 40 of the bound, a negative row 150 below 0)."""
+    scale = max(spec.scale, SPREAD_SCALE) if spec.regime == "spread" else spec.scale
+    used = 4 * scale + 10
+    if spec.regime == "offset":
+        used = max(used, abs(spec.offset) + 40)
+    elif spec.regime == "negative":
+        used = max(used, abs(spec.offset) + 150)
+    return LOGIT_BOUND[spec.dtype_key] - used
+
+
+# Each model option's values, its default first. Softcaps: Gemma 2's final 30, and caps the
+# logits saturate against. Logit scales: Cohere's 0.0625 among them. Biases: the standard
+# deviation in logits. z-loss: PaLM's 1e-4 and coefficients that dominate the loss.
+OPTION_VALUES: dict[str, tuple[Any, ...]] = {
+    "softcap": (None, 30.0, 5.0, 1.0),
+    "logit_scale": (1.0, 0.5, 2.0, 0.0625),
+    "bias": (0.0, 0.5, 2.0, 8.0),
+    "z_loss": (0.0, 1e-4, 1e-2, 1.0),
+    "label_smoothing": (0.0, 0.1, 0.5, 1.0),
+}
+
+
+@st.composite
+def model_options(draw: st.DrawFn, bias_bound: float = math.inf) -> dict[str, Any]:
+    """The model options of a case beyond the temperature: half of the cases have none (the
+    plain head, where shrinking goes), the others draw each option among its `OPTION_VALUES`
+    (its default included, so options meet in every combination). A bias adds up to ~3 times its
+    deviation to a logit: only biases within ``bias_bound`` logits are drawn (`LOGIT_BOUND`).
+
+    Every case makes the same draws (as `logit_regimes`): its choices keep their positions when
+    the switch flips."""
+    with_options = draw(st.booleans())
+    picked = {
+        name: values[draw(st.integers(0, len(values) - 1))]
+        for name, values in OPTION_VALUES.items()
+    }
+    if not with_options:
+        return {}
+    if 3 * picked["bias"] > bias_bound:
+        picked["bias"] = 0.0
+    return picked
 
 
 def landmark_specs(
@@ -170,10 +219,27 @@ def landmark_specs(
         base.with_(hidden_dtype="fp16", weight_dtype="fp16", ignore="all", reduction="mean"),
         base.with_(tokens=1, vocab=1, upstream="expanded"),
         base.with_(tokens=24, batch=2, vocab=257, chunk_size=7),
+        # model options: a capped, biased, smoothed head; Gemma 2's bf16 head with PaLM's z-loss
+        base.with_(regime="peaked", softcap=5.0, bias=2.0, label_smoothing=0.1, temperature=2.0),
+        base.with_(
+            hidden_dtype="bf16",
+            weight_dtype="bf16",
+            softcap=30.0,
+            logit_scale=0.5,
+            z_loss=1e-4,
+            reduction="sum",
+        ),
+        base.with_(temperature=0.7, bias=0.5, z_loss=1e-2, label_smoothing=0.5, chunk_size=2),
     ]
     for tp in (t for t in tp_sizes if t > 1):
         specs.append(base.with_(tp=tp, vocab=4 * tp + 1, target="edges", ignore="first"))
         specs.append(base.with_(tp=tp, vocab=8 * tp, target="high", reduce_hidden=False))
+        # the shards' lse and smoothing sums merged across ranks, the bias sharded with the rows
+        specs.append(
+            base.with_(
+                tp=tp, vocab=4 * tp + 3, z_loss=1e-2, label_smoothing=0.1, bias=1.0, softcap=5.0
+            )
+        )
     return [spec.with_(backend=b) for b in backends for spec in specs]
 
 

@@ -134,9 +134,11 @@ def _run(
 
     def call() -> Call:
         return Call(
-            inputs.head_hidden(), inputs.weight, inputs.targets, inputs.ignore_index,
-            inputs.temperature, rank.tp_group if spec.tp > 1 else None, inputs.vocab_start,
-            spec.reduce_hidden, spec.backend, spec.chunk_size, spec.loss_path,
+            inputs.head_hidden(), inputs.weight, inputs.targets, ignore_index=inputs.ignore_index,
+            options=inputs.options, tp_group=rank.tp_group if spec.tp > 1 else None,
+            vocab_start=inputs.vocab_start, reduce_grad_hidden=spec.reduce_hidden,
+            backend=spec.backend, chunk_size=spec.chunk_size, loss_path=spec.loss_path,
+            bias=inputs.bias,
         )  # fmt: skip
 
     result: dict[str, Any] = {"status": "ok"}
@@ -184,8 +186,7 @@ def _grads(
     first = torch.autograd.grad(outputs, leaves, upstreams, allow_unused=True, retain_graph=twice)
     grads = torch.autograd.grad(outputs, leaves, upstreams, allow_unused=True) if twice else first
     named: dict[str, Any] = {}
-    for name in ("hidden", "weight"):
-        leaf = getattr(inputs, name)
+    for name, leaf in inputs.named_leaves().items():
         if leaf.requires_grad:
             grad = grads[[other is leaf for other in leaves].index(True)]
             named[prefix + name] = grad if grad is not None else torch.zeros_like(leaf)

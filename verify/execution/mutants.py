@@ -18,8 +18,12 @@ import lce
 import lce.api
 import lce.autograd
 import lce.backends.torch_chunked as torch_chunked
+import lce.loss_pass
+import lce.loss_terms
 import lce.plan
+import lce.tp
 from lce.backends.base import Grads, ShardStats, select_rows
+from lce.options import LogitOptions
 
 PAD_LANES = 16  # padded-lanes mutant: shards padded to a multiple of this many vocab lanes
 WRAP_LIMIT = 1 << 9  # int32-wrap mutant: offsets row * V_local wrap at 2^9 instead of 2^31
@@ -181,6 +185,92 @@ class Bf16GradWeight(MutantStages):
         return Grads(grad_hidden, None if grad_weight is None else grad_weight.float(), grad_bias)
 
 
+class BiasGradDropped(MutantStages):
+    """The bias enters the logits but its gradient comes back zero (the head's bias frozen)."""
+
+    def backward_grads(self, *args):
+        grads = self.inner.backward_grads(*args)
+        if grads.bias is None:
+            return grads
+        return grads._replace(bias=torch.zeros_like(grads.bias))
+
+
+def _cap_after_temperature() -> contextlib.AbstractContextManager:
+    """The softcap bends ``s a / T`` (``cap tanh(s a / (T cap))``), not ``s a``: the map's order
+    swapped, as ports that fold the temperature into the logits before the cap compute."""
+    stack = contextlib.ExitStack()
+    cap_scale = property(lambda o: o.logit_scale / (o.temperature * (o.softcap or 1.0)))
+    centred = property(
+        lambda o: o.softcap if o.softcap is not None else o.logit_scale / o.temperature
+    )
+    stack.enter_context(mock.patch.object(LogitOptions, "cap_scale", cap_scale))
+    stack.enter_context(mock.patch.object(LogitOptions, "centred_scale", centred))
+    return stack
+
+
+def _smoothing_without_complement(logprob, lse, smooth, logit):
+    """``-log p_y + eps smooth``: the target's weight left at 1 instead of ``1 - eps``."""
+    loss, z_term = _ORIGINAL_TOKEN_LOSS(logprob, lse, smooth, logit)
+    eps = logit.label_smoothing
+    return (loss - eps * logprob if eps else loss), z_term
+
+
+def _smoothing_upstream_without_complement(grad_loss, lse, logit):
+    upstream = _ORIGINAL_LOSS_UPSTREAM(grad_loss, lse, logit)
+    eps = logit.label_smoothing
+    return upstream._replace(logprob=upstream.logprob - eps * grad_loss) if eps else upstream
+
+
+def _patch_loss_terms(token_loss, loss_upstream) -> Callable[[], contextlib.AbstractContextManager]:
+    """Replace the loss formula and its derivative wherever lce imported them."""
+
+    def patch() -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for module in (lce.autograd, lce.loss_pass):
+            if hasattr(module, "token_loss"):
+                stack.enter_context(mock.patch.object(module, "token_loss", token_loss))
+            if hasattr(module, "loss_upstream"):
+                stack.enter_context(mock.patch.object(module, "loss_upstream", loss_upstream))
+        return stack
+
+    return patch
+
+
+def _z_term_detached(logprob, lse, smooth, logit):
+    """The z-loss is in the loss value, but its gradient ``2 c lse`` never reaches the logits."""
+    loss, z_term = _ORIGINAL_TOKEN_LOSS(logprob, lse, smooth, logit)
+    if z_term is None:
+        return loss, z_term
+    return loss - z_term + z_term.detach(), z_term
+
+
+def _z_upstream_dropped(grad_loss, lse, logit):
+    return _ORIGINAL_LOSS_UPSTREAM(grad_loss, lse, replace(logit, z_loss=0.0))
+
+
+def _smoothing_over_local_vocab(stats, target_owned, shard, logit):
+    """Each rank's label smoothing averages its own shard's logits, not the whole vocabulary's."""
+    merged = _ORIGINAL_MERGE(stats, target_owned, shard, logit)
+    if logit.label_smoothing == 0 or shard.group is None or shard.vocab_local == 0:
+        return merged
+    shift = (stats.max - merged.max) * logit.centred_scale
+    local_mean = (stats.sum_centred + shard.vocab_local * shift) / shard.vocab_local
+    return replace(merged, mean_centred=local_mean, inv_vocab=torch.full_like(local_mean,
+                   1.0 / shard.vocab_local))  # fmt: skip
+
+
+def _patch_merge(merge) -> Callable[[], contextlib.AbstractContextManager]:
+    """Replace the TP merge of the shard statistics wherever lce imported it."""
+
+    def patch() -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for module in (lce.autograd, lce.loss_pass):
+            stack.enter_context(mock.patch.object(module, "merge_stats", merge))
+        return stack
+
+    return patch
+
+
 def _wrap_stages(cls) -> Callable[[], contextlib.AbstractContextManager]:
     original = lce.plan.get_stages
     return lambda: mock.patch.object(lce.plan, "get_stages", lambda *a, **k: cls(original(*a, **k)))
@@ -213,6 +303,9 @@ def _cast_in_place(hidden, weight, bias, targets, plan):
 
 _ORIGINAL_LCE = lce.api.linear_cross_entropy
 _ORIGINAL_TOKEN_OUTPUTS = lce.autograd.token_statistics
+_ORIGINAL_TOKEN_LOSS = lce.loss_terms.token_loss
+_ORIGINAL_LOSS_UPSTREAM = lce.loss_terms.loss_upstream
+_ORIGINAL_MERGE = lce.tp.merge_stats
 
 
 @contextlib.contextmanager
@@ -251,6 +344,20 @@ MUTANTS: dict[str, Mutant] = {
                _wrap_stages(Int32Wrap)),
         Mutant("hidden_cast_not_undone", "hidden's cast to weight's dtype done in place",
                lambda: mock.patch.object(lce.autograd, "token_statistics", _cast_in_place)),
+        # Model options (`lce.LogitOptions`): each mutant bends one option the way ports get it
+        # wrong; it changes nothing on a case without that option.
+        Mutant("cap_after_temperature", "softcap applied to s*a/T instead of s*a (order swapped)",
+               _cap_after_temperature),
+        Mutant("bias_grad_dropped", "the bias shapes the logits but gets a zero gradient",
+               _wrap_stages(BiasGradDropped)),
+        Mutant("smoothing_without_complement", "label smoothing adds eps*smooth to the full "
+               "-log p_y (target weight 1, not 1 - eps)",
+               _patch_loss_terms(_smoothing_without_complement,
+                                 _smoothing_upstream_without_complement)),
+        Mutant("z_loss_without_gradient", "z-loss in the loss value, its gradient dropped",
+               _patch_loss_terms(_z_term_detached, _z_upstream_dropped)),
+        Mutant("smoothing_over_local_vocab", "label smoothing's mean over this rank's shard only",
+               _patch_merge(_smoothing_over_local_vocab), min_tp=2),
     )
 }  # fmt: skip
 

@@ -20,9 +20,13 @@ TOLERANCE_OUTPUT = {
     "loss": "loss",
     "grad_hidden": "grad_hidden",
     "grad_weight": "grad_weight",
+    "grad_bias": "grad_weight",  # the bias is a weight column against a hidden of ones
     "loss_grad_hidden": "grad_hidden",
     "loss_grad_weight": "grad_weight",
+    "loss_grad_bias": "grad_weight",
 }
+# Outputs sharded over the vocabulary like the weight's rows: the ranks' parts are concatenated.
+VOCAB_SHARDED = ("grad_weight", "grad_bias", "loss_grad_weight", "loss_grad_bias")
 PER_RANK_SAME = ("logprobs", "entropy", "loss", "grad_hidden", "loss_grad_hidden")
 
 
@@ -56,7 +60,7 @@ def assemble(spec: CaseSpec, results: list[dict[str, Any]]) -> KernelRun:
     for name in TOLERANCE_OUTPUT:
         if name not in first:
             continue
-        if name.endswith("grad_weight"):
+        if name in VOCAB_SHARDED:
             value = torch.cat([r[name] for r in results], dim=0)
         elif name.endswith("grad_hidden") and not spec.reduce_hidden:
             # Partial per rank (sequence parallel): the caller's reduce-scatter sums them.

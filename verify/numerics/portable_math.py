@@ -82,3 +82,32 @@ def log1p(x: torch.Tensor) -> torch.Tensor:
     s = safe / (safe + 2.0)
     series = 2.0 * s * _horner(s * s, _ATANH_COEFFS)
     return torch.where(near_zero, series, log(x + 1.0))
+
+
+# expm1's series branch: |x| <= ln 2 / 2, where 16 Taylor terms leave a remainder below 2^-60.
+_EXPM1_SERIES = LN2_HI / 2
+_EXPM1_COEFFS = tuple(1.0 / math.factorial(n + 1) for n in range(16))
+
+
+def expm1(x: torch.Tensor) -> torch.Tensor:
+    """``e ** x - 1`` of a float64 tensor without the cancellation of ``exp(x) - 1`` near 0.
+
+    Near 0 it is ``x * sum_n x**n / (n + 1)!``; elsewhere ``|e ** x - 1| >= 0.29``, so
+    subtracting 1 from `exp` costs at most a few ulp of the result.
+    """
+    near_zero = x.abs() <= _EXPM1_SERIES
+    safe = torch.where(near_zero, x, torch.zeros_like(x))
+    return torch.where(near_zero, safe * _horner(safe, _EXPM1_COEFFS), exp(x) - 1.0)
+
+
+def tanh_and_slope(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tanh(x), 1 - tanh(x)**2)`` of a float64 tensor, both to a few ulp of their own size.
+
+    With ``m = expm1(-2|x|)``: ``tanh|x| = -m / (2 + m)`` and ``1 - tanh^2 = 4 e / (1 + e)^2``,
+    ``e = 1 + m = exp(-2|x|)``: no cancellation where tanh saturates (``1 - t`` from a rounded
+    ``t`` would carry an absolute error of an ulp of 1, all of a tiny slope).
+    """
+    m = expm1(-2.0 * x.abs())
+    t = torch.where(x < 0, m / (2.0 + m), -m / (2.0 + m))
+    e = exp(-2.0 * x.abs())
+    return t, 4.0 * e / ((1.0 + e) * (1.0 + e))

@@ -18,41 +18,70 @@ from dataclasses import dataclass
 
 import torch
 
+from lce.options import LogitOptions
 from verify.numerics import portable_math
 
 # The target id of an ignored token in every case, test and reference (lce's default).
 IGNORE_INDEX = -100
+PLAIN = LogitOptions()  # the plain LM head: no option set
 
 
 @dataclass(frozen=True)
 class Reference:
-    """float64 per-token outputs ``[T]``; gradients of ``sum(g_lp*logprobs + g_ent*entropy)``."""
+    """float64 per-token outputs ``[T]`` and the gradients of ``sum(g_lp * logprobs + g_ent *
+    entropy + g_loss * token_loss)`` (``grad_bias`` None without a bias)."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
+    token_loss: torch.Tensor  # the per-token loss of `lce.LogitOptions` (0 on ignored tokens)
     valid: torch.Tensor  # bool [T]: target not ignored
     grad_hidden: torch.Tensor | None
     grad_weight: torch.Tensor | None
-    # (|d_logits| @ |W|, |d_logits|^T @ |h|) when asked for: the sums of the absolute terms of
-    # each gradient element, which bound the rounding of any order of summing them.
-    magnitudes: tuple[torch.Tensor, torch.Tensor] | None = None
+    grad_bias: torch.Tensor | None = None
+    # Per gradient ("grad_hidden", "grad_weight", "grad_bias"), when asked for: the sums of the
+    # absolute terms of each element, which bound the rounding of any order of summing them.
+    magnitudes: dict[str, torch.Tensor] | None = None
 
     def loss(self, reduction: str) -> torch.Tensor:
-        """``-logprobs`` reduced like `lce.linear_cross_entropy` (mean over valid tokens)."""
+        """``token_loss`` reduced like `lce.linear_cross_entropy` (mean over valid tokens)."""
         if reduction == "none":
-            return -self.logprobs
-        total = -self.logprobs.sum()
+            return self.token_loss
+        total = self.token_loss.sum()
         return total if reduction == "sum" else total / self.valid.sum()
 
 
 def loss_upstream_grad(
     valid: torch.Tensor, reduction: str, grad_loss: torch.Tensor
 ) -> torch.Tensor:
-    """The upstream gradient on logprobs implied by a loss with ``reduction`` and ``grad_loss``."""
-    if reduction == "none":
-        return -grad_loss
-    scale = grad_loss if reduction == "sum" else grad_loss / valid.sum()
-    return (-scale).expand(valid.shape)
+    """The upstream gradient on the per-token losses implied by a loss with ``reduction`` and
+    ``grad_loss`` (0 on ignored tokens)."""
+    if reduction != "none":
+        scale = grad_loss if reduction == "sum" else grad_loss / valid.sum()
+        grad_loss = scale.expand(valid.shape)
+    return torch.where(valid, grad_loss, torch.zeros_like(grad_loss))
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The upstream gradients of one reference run, each ``[T]`` or None (no gradient)."""
+
+    logprob: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+
+    @property
+    def any(self) -> bool:
+        return any(g is not None for g in (self.logprob, self.entropy, self.loss))
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """R's float64 softmax of every row: logits ``z``, ``log p``, ``p``, the log-sum-exp."""
+
+    z: torch.Tensor
+    log_p: torch.Tensor
+    p: torch.Tensor
+    lse: torch.Tensor
 
 
 def reference(
@@ -60,43 +89,111 @@ def reference(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
+    options: LogitOptions = PLAIN,
     ignore_index: int = IGNORE_INDEX,
-    temperature: float = 1.0,
-    grad_logprob: torch.Tensor | None = None,
-    grad_entropy: torch.Tensor | None = None,
+    upstream: Upstream = Upstream(),
     magnitudes: bool = False,
+    slope_error: float = 0.0,
 ) -> Reference:
-    """R: float64 outputs for ``hidden [T, H]``, the *global* ``weight [V, H]`` and ``targets [T]``.
+    """R: float64 outputs for ``hidden [T, H]``, the *global* ``weight [V, H]`` (and ``bias
+    [V]``) and ``targets [T]`` under the logit map and loss terms of ``options``.
 
-    Gradients are computed when at least one upstream gradient ``[T]`` is given: those of
-    ``sum(g_lp * logprobs + g_ent * entropy)``, ``d_z = g_lp (onehot - p) - g_ent p (log p + H)``;
-    ``magnitudes`` adds their absolute-term sums (`Reference.magnitudes`).
+    Gradients are computed when an upstream gradient is given, closed-form: ``d_z = g_lp (onehot -
+    p) - g_ent p (log p + H) + g_loss dloss/dz`` through ``dz/da`` (`logit_map`) onto ``a = h @
+    W.T + b``; ``magnitudes`` adds their absolute-term sums (`Reference.magnitudes`), each
+    lane's ``dz/da`` counted as ``|dz/da| + slope_error * s / T`` (a softcap's slope computed
+    in low precision is off by an absolute amount, however small the slope).
     """
     h = hidden.detach().to(weight.dtype).to(torch.float64)
     w = weight.detach().to(torch.float64)
-    z = ordered_matmul(h, w.T) / temperature
-    shifted = z - z.amax(dim=-1, keepdim=True)
-    log_p = shifted - _centred_log_sumexp(shifted)[:, None]
-    p = portable_math.exp(log_p)
-    per_token = _per_token(log_p, p, targets, ignore_index, ordered_sum)
-    logprobs, entropy, valid, safe_targets = per_token
-    zero = torch.zeros_like(logprobs)
-    grad_hidden = grad_weight = None
-    if grad_logprob is not None or grad_entropy is not None:
-        g_lp, g_ent = (
-            zero if g is None else torch.where(valid, g.detach().to(torch.float64), zero)
-            for g in (grad_logprob, grad_entropy)
-        )
-        d_z = g_lp[:, None] * _onehot_minus_p(p, safe_targets) - g_ent[:, None] * (
-            p * (log_p + entropy[:, None])
-        )
-        d_logits = d_z / temperature
-        grad_hidden, grad_weight = ordered_matmul(d_logits, w), ordered_matmul(d_logits.T, h)
-        if magnitudes:
-            size = d_logits.abs()
-            sums = (ordered_matmul(size, w.abs()), ordered_matmul(size.T, h.abs()))
-            return Reference(logprobs, entropy, valid, grad_hidden, grad_weight, sums)
-    return Reference(logprobs, entropy, valid, grad_hidden, grad_weight)
+    b = None if bias is None else bias.detach().to(torch.float64)
+    raw = ordered_matmul(h, w.T)
+    z, gain = logit_map(raw if b is None else raw + b, options)
+    rows = _softmax_rows(z)
+    logprobs, entropy, valid, safe_targets = _per_token(
+        rows.log_p, rows.p, targets, ignore_index, ordered_sum
+    )
+    smooth = -ordered_sum(rows.log_p, dim=-1) / max(z.shape[-1], 1)
+    token_loss = torch.where(valid, _token_loss(logprobs, smooth, rows.lse, options), 0.0)
+    outputs = (logprobs, entropy, token_loss, valid)
+    if not upstream.any:
+        return Reference(*outputs, None, None)
+    d_z, size = _d_logits(rows, entropy, valid, safe_targets, upstream, options)
+    d_a = d_z * gain / options.temperature
+    grads = {
+        "grad_hidden": ordered_matmul(d_a, w),
+        "grad_weight": ordered_matmul(d_a.T, h),
+        "grad_bias": None if b is None else ordered_sum(d_a, dim=0),
+    }
+    sums = None
+    if magnitudes:
+        size = size * (gain.abs() + slope_error * options.logit_scale) / options.temperature
+        sums = {
+            "grad_hidden": ordered_matmul(size, w.abs()),
+            "grad_weight": ordered_matmul(size.T, h.abs()),
+        }
+        if b is not None:
+            sums["grad_bias"] = ordered_sum(size, dim=0)
+    return Reference(*outputs, **grads, magnitudes=sums)
+
+
+def logit_map(a: torch.Tensor, options: LogitOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 logits ``z = cap * tanh(s * a / cap) / T`` (without a cap ``s * a / T``) of
+    ``a = h @ W.T + b``, and ``T dz/da`` per lane: ``s`` times the cap's slope ``1 - tanh^2``
+    (divided by ``T`` last, so the plain head's ``d_z / T`` keeps its bits)."""
+    s, cap, temperature = options.logit_scale, options.softcap, options.temperature
+    if cap is None:
+        return a * s / temperature, torch.full_like(a, s)
+    t, slope = portable_math.tanh_and_slope(a * s / cap)
+    return cap * t / temperature, slope * s
+
+
+def _softmax_rows(z: torch.Tensor) -> _Rows:
+    row_max = z.amax(dim=-1, keepdim=True) if z.shape[-1] else z.new_zeros(z.shape[0], 1)
+    shifted = z - row_max
+    centred_lse = _centred_log_sumexp(shifted)
+    log_p = shifted - centred_lse[:, None]
+    return _Rows(z, log_p, portable_math.exp(log_p), row_max[:, 0] + centred_lse)
+
+
+def _token_loss(
+    logprobs: torch.Tensor, smooth: torch.Tensor, lse: torch.Tensor, options: LogitOptions
+) -> torch.Tensor:
+    """``-(1 - eps) log p_y + eps mean_j(-log p_j) + c lse**2`` (exactly ``-log p_y`` without
+    either term, as lce's plain loss)."""
+    eps, c = options.label_smoothing, options.z_loss
+    loss = -logprobs if eps == 0 else (eps - 1.0) * logprobs + eps * smooth
+    return loss + c * lse * lse if c > 0 else loss
+
+
+def _d_logits(
+    rows: _Rows,
+    entropy: torch.Tensor,
+    valid: torch.Tensor,
+    targets: torch.Tensor,
+    upstream: Upstream,
+    options: LogitOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d_z`` of every lane and its absolute-term size (the sum of its terms' ``|.|``: the
+    smoothing term ``p - 1/V`` may cancel where neither part is small)."""
+    zero = torch.zeros_like(entropy)
+    g_lp, g_ent, g_loss = (
+        zero if g is None else torch.where(valid, g.detach().to(torch.float64), zero)
+        for g in (upstream.logprob, upstream.entropy, upstream.loss)
+    )
+    p, eps, c = rows.p, options.label_smoothing, options.z_loss
+    onehot_minus_p = _onehot_minus_p(p, targets)
+    tokens = g_lp[:, None] * onehot_minus_p - g_ent[:, None] * (p * (rows.log_p + entropy[:, None]))
+    # d loss / d z = (1 - eps)(p - onehot) + eps (p - 1/V) + 2 c lse p
+    inv_vocab = 1.0 / max(p.shape[-1], 1)
+    lse_term = (2.0 * c * rows.lse)[:, None] * p
+    loss = (eps - 1.0) * onehot_minus_p + eps * (p - inv_vocab) + lse_term
+    terms = (1.0 - eps) * onehot_minus_p.abs() + eps * (p + inv_vocab) + lse_term.abs()
+    # a rounded lse moves the z-loss term by 2 c p |d lse|, as rounded logits move p
+    terms = terms + 2.0 * c * p
+    d_z = tokens + g_loss[:, None] * loss
+    return d_z, tokens.abs() + g_loss.abs()[:, None] * terms
 
 
 def _centred_log_sumexp(shifted: torch.Tensor) -> torch.Tensor:
@@ -167,36 +264,53 @@ def baseline(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
+    options: LogitOptions = PLAIN,
     ignore_index: int = IGNORE_INDEX,
-    temperature: float = 1.0,
-    grad_logprob: torch.Tensor | None = None,
-    grad_entropy: torch.Tensor | None = None,
+    upstream: Upstream = Upstream(),
 ) -> Reference:
-    """B: what a user runs instead — logits materialized in weight's dtype (a BLAS GEMM), then
-    fp32 softmax and autograd. Same arguments as `reference`, but ``hidden`` (already in weight's
-    dtype) and ``weight`` stored as the implementation gets them
-    (`verify.cases.layouts.with_layout`): a BLAS sums a transposed operand's dots in another order
-    (an fp32 logit off by 4.8e-6 instead of 9.6e-7 at |z| 38), which B on the same storage
-    shares. Results are float64.
+    """B: what a user runs instead — logits materialized in weight's dtype (a BLAS GEMM, the bias
+    in its epilogue as ``F.linear`` adds it), then the logit map, softmax and loss terms in fp32,
+    and autograd. Same arguments as `reference`, but ``hidden`` (already in weight's dtype) and
+    ``weight`` stored as the implementation gets them (`verify.cases.layouts.with_layout`): a BLAS
+    sums a transposed operand's dots in another order (an fp32 logit off by 4.8e-6 instead of
+    9.6e-7 at |z| 38), which B on the same storage shares. Results are float64.
     """
     math_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
     h = hidden.detach().to(weight.dtype).requires_grad_()
     w = weight.detach().requires_grad_()
-    logp_all = torch.log_softmax((h @ w.T).to(math_dtype) / temperature, dim=-1)
+    b = None if bias is None else bias.detach().requires_grad_()
+    logits = h @ w.T if b is None else torch.addmm(b, h, w.T)
+    z = _stock_logit_map(logits.to(math_dtype), options)
+    logp_all = torch.log_softmax(z, dim=-1)
     logprobs, entropy, valid, _ = _per_token(
         logp_all, logp_all.exp(), targets, ignore_index, torch.sum
     )
-    grad_hidden = grad_weight = None
-    if grad_logprob is not None or grad_entropy is not None:
+    smooth = -logp_all.mean(dim=-1) if z.shape[-1] else torch.zeros_like(logprobs)
+    token_loss = _token_loss(logprobs, smooth, torch.logsumexp(z, dim=-1), options)
+    token_loss = torch.where(valid, token_loss, 0.0)
+    leaves = (h, w) if b is None else (h, w, b)
+    grads: tuple[torch.Tensor | None, ...] = (None,) * len(leaves)
+    if upstream.any:
         objective = torch.zeros((), dtype=math_dtype)
-        for output, upstream in ((logprobs, grad_logprob), (entropy, grad_entropy)):
-            if upstream is not None:
-                objective = objective + (output * upstream.to(math_dtype)).sum()
-        grads = torch.autograd.grad(objective, (h, w), allow_unused=True)
-        grad_hidden, grad_weight = (
+        gradients = (upstream.logprob, upstream.entropy, upstream.loss)
+        for output, g in zip((logprobs, entropy, token_loss), gradients, strict=True):
+            if g is not None:
+                objective = objective + (output * g.to(math_dtype)).sum()
+        found = torch.autograd.grad(objective, leaves, allow_unused=True)
+        grads = tuple(
             torch.zeros_like(x, dtype=torch.float64) if g is None else g.to(torch.float64)
-            for g, x in zip(grads, (h, w), strict=True)
+            for g, x in zip(found, leaves, strict=True)
         )
-    return Reference(
-        logprobs.detach().double(), entropy.detach().double(), valid, grad_hidden, grad_weight
-    )
+    outputs = (logprobs, entropy, token_loss)
+    return Reference(*(x.detach().double() for x in outputs), valid, *grads)
+
+
+def _stock_logit_map(logits: torch.Tensor, options: LogitOptions) -> torch.Tensor:
+    """The logit map as model code writes it (scale, ``cap * tanh(x / cap)``, ``/ T``), each
+    step skipped where it is the identity."""
+    if options.logit_scale != 1.0:
+        logits = logits * options.logit_scale
+    if options.softcap is not None:
+        logits = options.softcap * torch.tanh(logits / options.softcap)
+    return logits / options.temperature

@@ -78,9 +78,28 @@ def _outputs(*names: str) -> Need:
 TP = Need(lambda a, tps: a.capabilities.tensor_parallel and max(tps) > 1, "needs TP and a pool")
 
 
+def _claims_option(name: str) -> Need:
+    return Need(lambda adapter, tps: name in adapter.capabilities.options, f"{name} not claimed")
+
+
 def _power_of_two_temperature(spec: CaseSpec) -> bool:
+    """T = 2^k, untied, and a map that folding ``1 / T`` into hidden leaves alone (no cap, whose
+    tanh sees ``a`` before ``/ T``; no bias, which hidden's scaling does not reach)."""
     mantissa, _ = math.frexp(spec.temperature)
-    return spec.temperature != 1.0 and mantissa == 0.5 and not spec.tied
+    linear = spec.softcap is None and spec.bias == 0.0
+    return spec.temperature != 1.0 and mantissa == 0.5 and not spec.tied and linear
+
+
+def _common_offset_cancels(spec: CaseSpec) -> bool:
+    """A shifted regime whose common logit offset changes nothing: untied (the embedding feeds
+    weight's offset column into hidden), no cap (the tanh bends the offset) and no z-loss (its
+    ``lse^2`` moves with it)."""
+    shifted = spec.regime in ("offset", "negative") and not spec.tied
+    return shifted and spec.softcap is None and spec.z_loss == 0.0
+
+
+def _loss_is_minus_logprob(spec: CaseSpec) -> bool:
+    return spec.z_loss == 0.0 and spec.label_smoothing == 0.0
 
 
 PROPERTIES: dict[str, Property] = {
@@ -109,10 +128,8 @@ PROPERTIES: dict[str, Property] = {
             applies=lambda s: s.vocab >= 2, transforms=("vocab_permute",),
         ),
         Property(
-            # tied: the embedding feeds weight's offset column into hidden (not common)
             "shift_invariance", "metamorphic", metamorphic.shift_invariance,
-            applies=lambda s: s.regime in ("offset", "negative") and not s.tied,
-            transforms=("unshift",),
+            applies=_common_offset_cancels, transforms=("unshift",),
         ),
         Property(
             "entropy_targets", "metamorphic", metamorphic.entropy_target_independence,
@@ -137,11 +154,12 @@ PROPERTIES: dict[str, Property] = {
         Property(
             "temperature", "metamorphic", metamorphic.temperature_equivariance,
             applies=_power_of_two_temperature,
-            needs=(_claims("temperature", "temperature not claimed"),),
+            needs=(_claims_option("temperature"),),
             transforms=("fold_temperature",),
         ),
         Property(
             "reduction", "metamorphic", metamorphic.reduction_consistency,
+            applies=_loss_is_minus_logprob,
             needs=(Need(
                 lambda a, tps: {"logprobs", "loss"} <= set(a.outputs)
                 and a.contract.outputs == "fp32",

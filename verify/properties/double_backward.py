@@ -62,34 +62,37 @@ def check_double_backward(
     # for its refusal, on the spec's dtypes.
     dtype = torch.float64 if supported else problem.weight.dtype
     device = torch.device(rank.device)
-    hidden, weight = (
-        t.detach().to(device, dtype).requires_grad_() for t in (problem.hidden, problem.weight)
-    )
+    leaves = tuple(
+        t.detach().to(device, dtype).requires_grad_()
+        for t in (problem.hidden, problem.weight, problem.bias)
+        if t is not None
+    )  # hidden, weight and the bias (when the head has one)
     targets = problem.targets.to(device)
+    options = spec.logit_options(effective_temperature(spec))
 
-    def call(h: torch.Tensor, w: torch.Tensor) -> Call:
+    def call(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> Call:
         return Call(
-            h, w, targets, problem.ignore_index, effective_temperature(spec),
-            backend=spec.backend, chunk_size=spec.chunk_size,
+            h, w, targets, problem.ignore_index, options, backend=spec.backend,
+            chunk_size=spec.chunk_size, bias=b,
         )  # fmt: skip
 
     paths: list[tuple[str, Callable[..., Any]]] = []
     if adapter.token_outputs is not None:
         names = [n for n in ("logprobs", "entropy") if n in adapter.outputs]
         tokens = adapter.token_outputs
-        paths.append(("token_outputs", lambda h, w: tuple(tokens(call(h, w))[n] for n in names)))
+        paths.append(("token_outputs", lambda *xs: tuple(tokens(call(*xs))[n] for n in names)))
     if adapter.loss is not None:
         loss = adapter.loss
-        paths.append((f"loss_{spec.reduction}", lambda h, w: loss(call(h, w), spec.reduction)))
+        paths.append((f"loss_{spec.reduction}", lambda *xs: loss(call(*xs), spec.reduction)))
     with applied(mutant):
-        return [_check(spec, path, fn, (hidden, weight), must_work=supported) for path, fn in paths]
+        return [_check(spec, path, fn, leaves, must_work=supported) for path, fn in paths]
 
 
 def _check(
     spec: CaseSpec,
     path: str,
     fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
-    inputs: tuple[torch.Tensor, torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
     *,
     must_work: bool,
 ) -> PropertyVerdict:
@@ -120,7 +123,7 @@ def _check(
 
 def _second_order(
     fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
-    inputs: tuple[torch.Tensor, torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
     seed: int,
 ) -> tuple[float, float]:
     """``v . d/dx[grad(g . fn)] . u`` for random g, u, v: by a double backward, and by central

@@ -14,7 +14,7 @@ from verify.numerics.tolerances import load
 from verify.properties.oracle import Oracle, oracle
 from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
 
-OUTPUTS = ("loss", "loss_grad_hidden", "loss_grad_weight")
+OUTPUTS = ("loss", "loss_grad_hidden", "loss_grad_weight", "loss_grad_bias")
 
 
 def main_grad_accumulation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
@@ -77,5 +77,5 @@ def buffer_rounding(exp: Oracle) -> torch.Tensor:
     true_terms = exp.magnitudes["loss_grad_weight"]
     assumed_terms = true_terms  # the same upstream on every valid row: the same terms
     if differs.any():
-        assumed_terms = exp.loss_magnitudes(MAIN_GRAD_ASSUMED_LOSS_GRAD)[1]
+        assumed_terms = exp.loss_magnitudes(MAIN_GRAD_ASSUMED_LOSS_GRAD)["grad_weight"]
     return gamma * (old.double().abs() + assumed_terms + true_terms)

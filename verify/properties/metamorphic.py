@@ -14,7 +14,7 @@ import torch
 
 from verify.cases.build import TIE_SCALE, build, draw
 from verify.cases.spec import DTYPES, LINEARITY_A, CaseSpec
-from verify.execution.outcome import TOLERANCE_OUTPUT, KernelRun
+from verify.execution.outcome import TOLERANCE_OUTPUT, VOCAB_SHARDED, KernelRun
 from verify.execution.runner import Runner
 from verify.numerics.compare import half_subnormal
 from verify.numerics.tolerances import load
@@ -29,7 +29,7 @@ from verify.properties.verdict import (
     tolerance_check,
 )
 
-GRADS = ("grad_hidden", "grad_weight", "loss_grad_hidden", "loss_grad_weight")
+GRADS = tuple(name for name in TOLERANCE_OUTPUT if "grad_" in name)
 
 
 def _runs(prop: str, spec: CaseSpec, runner: Runner, other: CaseSpec):
@@ -91,7 +91,8 @@ def chunk_invariance(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
 
 
 def vocab_permutation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
-    """Permuting weight rows and remapping targets permutes grad_weight and changes nothing else."""
+    """Permuting weight rows (and bias entries) and remapping targets permutes grad_weight (and
+    grad_bias) and changes nothing else."""
     other = spec.with_(transform="vocab_permute")
     runs, bad = _runs("vocab_permutation", spec, runner, other)
     if bad:
@@ -99,7 +100,7 @@ def vocab_permutation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     permutation = draw(spec).permutation
 
     def unpermute(name: str, value: torch.Tensor) -> torch.Tensor:
-        if not name.endswith("grad_weight"):
+        if name not in VOCAB_SHARDED:
             return value
         back = torch.empty_like(value)
         back[permutation] = value  # row i of the permuted run is row permutation[i] originally

@@ -15,13 +15,21 @@ from functools import cached_property, lru_cache
 
 import torch
 
+from lce.options import LogitOptions
 from verify.cases.build import TIE_SCALE, Problem, build
 from verify.cases.layouts import operand_layouts, with_layout
 from verify.cases.rank_inputs import effective_temperature
 from verify.cases.spec import CaseSpec
 from verify.execution import stage_timing
 from verify.numerics.compare import half_subnormal
-from verify.numerics.reference import Reference, baseline, loss_upstream_grad, reference
+from verify.numerics.reference import (
+    Reference,
+    Upstream,
+    baseline,
+    logit_map,
+    loss_upstream_grad,
+    reference,
+)
 
 FP32_U = torch.finfo(torch.float32).eps / 2
 
@@ -37,19 +45,22 @@ class Oracle:
             self.problem: Problem = build(spec)
         self.ref: dict[str, torch.Tensor] = {}
         self.base: dict[str, torch.Tensor] = {}
-        upstream = self.loss_upstream(self.problem.grad_loss)
+        problem = self.problem
+        runs = (
+            ("", Upstream(logprob=problem.grad_logprob, entropy=problem.grad_entropy)),
+            ("loss_", Upstream(loss=self.loss_upstream(problem.grad_loss))),
+        )
         for fn, out, name in (
             (reference, self.ref, "reference"),
             (baseline, self.base, "baseline"),
         ):
             with stage_timing.stage(name):
                 operands = self._operands(fn is baseline)
-                tokens = fn(*operands, grad_logprob=self.problem.grad_logprob,
-                            grad_entropy=self.problem.grad_entropy, **self._options())  # fmt: skip
-                loss_run = fn(*operands, grad_logprob=upstream, **self._options())
-                out.update(self._outputs(tokens, ""))
-                out["loss"] = tokens.loss(spec.reduction)
-                out.update(self._outputs(loss_run, "loss_"))
+                for prefix, upstream in runs:
+                    run = fn(*operands, upstream=upstream, **self._options())
+                    out.update(self._outputs(run, prefix))
+                    if not prefix:
+                        out["loss"] = run.loss(spec.reduction)
                 del out["loss_logprobs"], out["loss_entropy"]
 
     @property
@@ -58,13 +69,18 @@ class Oracle:
         return self.problem.valid
 
     def loss_upstream(self, grad_loss: torch.Tensor) -> torch.Tensor:
-        """The upstream gradient on log-probs of the spec's loss under ``grad_loss`` (float64:
-        dividing an fp32 upstream by the valid count in fp32 would round it, 1/3)."""
+        """The upstream gradient on the per-token losses of the spec's loss under ``grad_loss``
+        (float64: dividing an fp32 upstream by the valid count in fp32 would round it, 1/3)."""
         return loss_upstream_grad(self.valid, self.spec.reduction, grad_loss.double())
 
+    @property
+    def options(self) -> LogitOptions:
+        """The model options the implementation is called with (`lce.LogitOptions`)."""
+        return self.spec.logit_options(effective_temperature(self.spec))
+
     def _options(self) -> dict:
-        return {"ignore_index": self.problem.ignore_index,
-                "temperature": effective_temperature(self.spec)}  # fmt: skip
+        return {"ignore_index": self.problem.ignore_index, "options": self.options,
+                "bias": self.problem.bias}  # fmt: skip
 
     def _operands(self, stored: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden, the global weight and targets; ``stored``: hidden in weight's dtype and both
@@ -82,12 +98,15 @@ class Oracle:
             # One weight used as embedding and LM head: its gradient is the sum of both uses.
             embed = torch.zeros_like(grad_weight).index_add_(0, self.problem.embed_ids, grad_hidden)
             grad_weight = grad_weight + TIE_SCALE * embed
-        return {
+        out = {
             f"{prefix}logprobs": run.logprobs,
             f"{prefix}entropy": run.entropy,
             f"{prefix}grad_hidden": grad_hidden,
             f"{prefix}grad_weight": grad_weight,
         }
+        if run.grad_bias is not None:
+            out[f"{prefix}grad_bias"] = run.grad_bias
+        return out
 
     @property
     def tied(self) -> bool:
@@ -102,15 +121,23 @@ class Oracle:
         embed = torch.zeros_like(per_weight).index_add_(0, self.problem.embed_ids, per_hidden)
         return per_weight + TIE_SCALE * embed
 
-    def magnitudes_under(
-        self, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`Reference.magnitudes` (grad_hidden, grad_weight) under these upstream gradients."""
-        return reference(
-            self.problem.hidden, self.problem.weight, self.problem.targets,
-            grad_logprob=grad_logprob, grad_entropy=grad_entropy, magnitudes=True,
-            **self._options(),
+    def magnitudes_under(self, upstream: Upstream) -> dict[str, torch.Tensor]:
+        """`Reference.magnitudes` (``grad_hidden``, ``grad_weight``, ``grad_bias`` with a bias)
+        under these upstream gradients (empty without any)."""
+        sums = reference(
+            self.problem.hidden, self.problem.weight, self.problem.targets, upstream=upstream,
+            magnitudes=True, slope_error=self.slope_error, **self._options(),
         ).magnitudes  # fmt: skip
+        return sums or {}
+
+    @property
+    def slope_error(self) -> float:
+        """A softcap's slope ``(1 - r)(1 + r)`` from an fp32 ``r`` (off by ~2 ulp of 1) is off
+        by up to 4 fp32 ulps absolutely, in units of the GEMMs' dtype (`math_ratio`): counted
+        into every term's size, so a saturated lane (slope ~0 in R) still grants its rounding."""
+        if self.options.softcap is None:
+            return 0.0
+        return 4 * math_ratio(self.problem.weight.dtype)
 
     @cached_property
     def magnitudes(self) -> dict[str, torch.Tensor]:
@@ -119,24 +146,18 @@ class Oracle:
         of summing n of them in unit roundoff u is off by at most about n * u times this."""
         problem = self.problem
         runs = {
-            "": self.magnitudes_under(problem.grad_logprob, problem.grad_entropy),
+            "": self.magnitudes_under(Upstream(problem.grad_logprob, problem.grad_entropy)),
             "loss_": self.loss_magnitudes(),
         }
-        out = {}
-        for prefix, run in runs.items():
-            if run is not None:
-                out[prefix + "grad_hidden"], out[prefix + "grad_weight"] = run
-        return out
+        return {prefix + name: value for prefix, run in runs.items() for name, value in run.items()}
 
-    def loss_magnitudes(
-        self, grad_loss: float | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def loss_magnitudes(self, grad_loss: float | None = None) -> dict[str, torch.Tensor]:
         """`Reference.magnitudes` of the spec's loss under its own upstream gradient, or under the
-        constant ``grad_loss`` when given (None without gradients)."""
+        constant ``grad_loss`` when given."""
         upstream = self.problem.grad_loss
         if grad_loss is not None:
             upstream = torch.full_like(upstream, grad_loss)
-        return self.magnitudes_under(self.loss_upstream(upstream), None)
+        return self.magnitudes_under(Upstream(loss=self.loss_upstream(upstream)))
 
     @cached_property
     def dot_order_excess(self) -> torch.Tensor:
@@ -190,10 +211,10 @@ class Oracle:
         per_hidden = half_step * valid * weight.abs().sum(0)  # [N, H]
         per_weight = (half_step * (valid * hidden.abs()).sum(0)).expand_as(weight)  # [V, H]
         per_weight = self.tied_share(per_hidden, per_weight)
-        bounds = {}
-        for prefix in ("", "loss_"):
-            bounds[prefix + "grad_hidden"], bounds[prefix + "grad_weight"] = per_hidden, per_weight
-        return bounds
+        per_name = {"grad_hidden": per_hidden, "grad_weight": per_weight}
+        if problem.bias is not None:  # grad_bias[v] sums one d_logits element per valid row
+            per_name["grad_bias"] = (half_step * valid.sum()).expand(problem.bias.shape)
+        return {prefix + name: b for prefix in ("", "loss_") for name, b in per_name.items()}
 
     @cached_property
     def d_logits_rounding(self) -> dict[str, torch.Tensor]:
@@ -203,16 +224,13 @@ class Oracle:
         rounding inside ``max|z|`` times the sums; this is the rounding alone, for checks where
         the logits' own rounding cancels (the same logits in every run) but d_logits' does not."""
         unit = torch.finfo(self.problem.weight.dtype).eps / 2
-        sizes, subnormal = self.magnitudes, self.subnormal_bounds
-        bounds = {}
+        sizes, subnormal = dict(self.magnitudes), self.subnormal_bounds
         for prefix in ("", "loss_"):
-            if prefix + "grad_hidden" not in sizes:
-                continue
-            hidden_size = sizes[prefix + "grad_hidden"]
-            weight_size = self.tied_share(hidden_size, sizes[prefix + "grad_weight"])
-            for name, size in (("grad_hidden", hidden_size), ("grad_weight", weight_size)):
-                bounds[prefix + name] = unit * size + subnormal[prefix + name]
-        return bounds
+            if prefix + "grad_weight" in sizes:
+                sizes[prefix + "grad_weight"] = self.tied_share(
+                    sizes[prefix + "grad_hidden"], sizes[prefix + "grad_weight"]
+                )
+        return {name: unit * size + subnormal[name] for name, size in sizes.items()}
 
 
 _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lce-oracle")
@@ -268,51 +286,104 @@ def logit_scales(oracle: Oracle, dot_rounding: bool) -> dict[str, torch.Tensor]:
     confident row's target lane ``u * 1``: a planted ``1 - p_y`` rounded at 1 still fails, 135x
     (tests/verify/test_properties_findings.py; 326x without this term)."""
     spec, problem = oracle.spec, oracle.problem
-    hidden = problem.hidden.to(problem.weight.dtype).to(torch.float64)
-    weight = problem.weight.to(torch.float64)
-    temperature = effective_temperature(spec)
-    z = hidden @ weight.T / temperature
-    # zeps = 2u weighs |z|: another order's excess enters in units of u, granted twice alike
-    size = z.abs() + oracle.dot_order_excess / temperature / FP32_U
-    if dot_rounding:
-        # Dots accumulate in fp32 (fp64 for fp64) whatever dtype the logits are rounded to.
-        acc = torch.float64 if problem.weight.dtype == torch.float64 else torch.float32
-        ratio = torch.finfo(acc).eps / torch.finfo(problem.weight.dtype).eps
-        terms = hidden.abs() @ weight.abs().T / temperature
-        size = size + ratio * spec.hidden_size * terms
-    zmax, spread, entropy_sizes = _row_sizes(problem, z, size, hidden, weight, temperature)
+    z, size, dlogit = _logit_sizes(oracle, dot_rounding)
+    zmax, spread, entropy_sizes = _row_sizes(oracle, z, size, dlogit)
     valid = problem.valid
     logprobs = torch.where(valid, zmax, 0.0)
-    loss = {"none": logprobs, "sum": logprobs.sum()}.get(spec.reduction)
+    per_token = torch.where(valid, _token_loss_scale(oracle, z, zmax), 0.0)
+    loss = {"none": per_token, "sum": per_token.sum()}.get(spec.reduction)
     if loss is None:
-        loss = logprobs.sum() / valid.sum()
+        loss = per_token.sum() / valid.sum()
     entropy = torch.where(valid, zmax * (1.0 + spread), 0.0)
     out = {"logprobs": logprobs, "entropy": entropy, "loss": loss}
     top = max(float(logprobs.max()) if logprobs.numel() else 0.0, 1.0)
     sizes = oracle.magnitudes
+    for name, value in sizes.items():
+        if not name.startswith("loss_") and entropy_sizes is not None:
+            value = value + entropy_sizes[name]
+        out[name] = value
     for prefix in ("", "loss_"):
-        if prefix + "grad_hidden" not in sizes:
-            continue
-        hidden_size, weight_size = sizes[prefix + "grad_hidden"], sizes[prefix + "grad_weight"]
-        if prefix == "" and entropy_sizes is not None:
-            hidden_size = hidden_size + entropy_sizes[0]
-            weight_size = weight_size + entropy_sizes[1]
-        weight_size = oracle.tied_share(hidden_size, weight_size)
-        out[prefix + "grad_hidden"] = top * hidden_size
-        out[prefix + "grad_weight"] = top * weight_size
-    return out
+        if prefix + "grad_weight" in out:
+            out[prefix + "grad_weight"] = oracle.tied_share(
+                out[prefix + "grad_hidden"], out[prefix + "grad_weight"]
+            )
+    return {name: value if name in ("logprobs", "entropy", "loss") else top * value
+            for name, value in out.items()}  # fmt: skip
+
+
+def map_rounding_ratio(options: LogitOptions, dtype: torch.dtype) -> float:
+    """How many units of ``dtype``'s roundoff one rounding of the logit map's arithmetic costs
+    (`math_ratio`); 0 for the plain head, whose ``/ T`` the logits' own term covers."""
+    if options.logit_scale == 1.0 and options.softcap is None:
+        return 0.0
+    return math_ratio(dtype)
+
+
+def math_ratio(dtype: torch.dtype) -> float:
+    """fp32's unit roundoff in units of ``dtype``'s (fp64's for fp64): the logit map and the loss
+    terms run in fp32 (fp64 for fp64 weights) whatever dtype the logits were formed in."""
+    math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.finfo(math_dtype).eps / torch.finfo(dtype).eps
+
+
+def _logit_sizes(
+    oracle: Oracle, dot_rounding: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits ``z``, what each one's error is made of in units of u (``|dz| <= u size``)
+    and ``dz/da`` per lane.
+
+    The raw ``a = h @ W.T + b`` rounds like a logit (``|a|``, and ``|a + b|`` again for a bias
+    added after the dot), and another order's excess enters in units of u (zeps = 2u weighs it,
+    granted twice alike); the map carries that by ``dz/da``. Its own fp32 arithmetic adds
+    ``2 |z|`` (a scale and ``/ T``) or ``3 |z| + 2 cap / T`` (and the tanh, off by up to ~2 ulp
+    of 1 wherever it saturates) in fp32's units (`map_rounding_ratio`)."""
+    problem, options = oracle.problem, oracle.options
+    hidden = problem.hidden.to(problem.weight.dtype).to(torch.float64)
+    weight = problem.weight.to(torch.float64)
+    dots = hidden @ weight.T
+    raw = dots if problem.bias is None else dots + problem.bias.double()
+    raw_size = dots.abs() + oracle.dot_order_excess / FP32_U
+    if problem.bias is not None:
+        raw_size = raw_size + raw.abs()
+    if dot_rounding:
+        # Dots accumulate in fp32 (fp64 for fp64) whatever dtype the logits are rounded to.
+        acc = torch.float64 if problem.weight.dtype == torch.float64 else torch.float32
+        ratio = torch.finfo(acc).eps / torch.finfo(problem.weight.dtype).eps
+        raw_size = raw_size + ratio * oracle.spec.hidden_size * (hidden.abs() @ weight.abs().T)
+    z, gain = logit_map(raw, options)
+    dlogit = gain.abs() / options.temperature
+    size = raw_size * dlogit
+    ratio = map_rounding_ratio(options, problem.weight.dtype)
+    if ratio:
+        cap_terms = (
+            0.0 if options.softcap is None else z.abs() + 2 * options.softcap / options.temperature
+        )
+        size = size + ratio * (2 * z.abs() + cap_terms)
+    return z, size, dlogit
+
+
+def _token_loss_scale(oracle: Oracle, z: torch.Tensor, zmax: torch.Tensor) -> torch.Tensor:
+    """Per token, the loss's error scale: ``max|z|`` for each of ``-log p_y`` and the smoothing
+    term's ``lse - mean z``, times ``1 + 2 c |lse|`` with a z-loss (``c lse^2`` moves by ``2 c
+    lse dlse``), plus the fp32 rounding of ``c lse^2`` itself."""
+    options = oracle.options
+    eps, c = options.label_smoothing, options.z_loss
+    scale = zmax
+    if c > 0 and z.shape[-1]:
+        lse = torch.logsumexp(z, dim=-1)
+        ratio = math_ratio(oracle.problem.weight.dtype)
+        scale = zmax * (1.0 + eps + 2 * c * lse.abs()) + ratio * c * lse * lse
+    elif eps:
+        scale = zmax * (1.0 + eps)
+    return scale
 
 
 def _row_sizes(
-    problem: Problem,
-    z: torch.Tensor,
-    size: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    oracle: Oracle, z: torch.Tensor, size: torch.Tensor, dlogit: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None]:
     """Per row: the largest logit size, ``sum p |z - E z|``, and the entropy part's absolute-term
     sums of the gradients (None without an entropy upstream); see `logit_scales`."""
+    problem = oracle.problem
     if z.shape[-1] == 0 or z.shape[0] == 0:
         zmax = z.new_zeros(z.shape[0])
         return zmax, zmax, None
@@ -323,5 +394,12 @@ def _row_sizes(
         return zmax, spread, None
     g_ent = torch.where(problem.valid, problem.grad_entropy.double(), 0.0)
     share = (1.0 - p).clamp_min(0.0) + spread[:, None]
-    sizes = (g_ent.abs() / temperature)[:, None] * p * share
-    return zmax, spread, (sizes @ weight.abs(), sizes.T @ hidden.abs())
+    sizes = g_ent.abs()[:, None] * p * share * dlogit
+    hidden = problem.hidden.to(problem.weight.dtype).to(torch.float64)
+    out = {
+        "grad_hidden": sizes @ problem.weight.to(torch.float64).abs(),
+        "grad_weight": sizes.T @ hidden.abs(),
+    }
+    if problem.bias is not None:
+        out["grad_bias"] = sizes.sum(0)
+    return zmax, spread, out

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from verify.cases.build import build
 from verify.cases.rank_inputs import effective_temperature, vocab_range
-from verify.cases.spec import CaseSpec
+from verify.cases.spec import OPTION_DEFAULTS, OPTION_FIELDS, CaseSpec
 from verify.distributed.errors import WorkerError
 from verify.execution import stage_timing
 from verify.execution.outcome import TOLERANCE_OUTPUT
@@ -57,9 +57,19 @@ def _against_peer(
     ]
 
 
+# The model options torch's linear_cross_entropy takes (``linear_bias``, ``label_smoothing``).
+TORCH_PEER_OPTIONS = ("bias", "label_smoothing")
+
+
 def torch_peer_applies(spec: CaseSpec) -> bool:
-    """torch has the peer (>= 2.13) and the case is one it computes (no temperature, untied)."""
-    plain = spec.temperature == 1.0 and not spec.tied and spec.transform == "none"
+    """torch has the peer (>= 2.13) and the case is one it computes (untied, no model option
+    but a bias and label smoothing)."""
+    options = all(
+        getattr(spec, name) == OPTION_DEFAULTS[name]
+        for name in OPTION_FIELDS
+        if name not in TORCH_PEER_OPTIONS
+    )
+    plain = options and not spec.tied and spec.transform == "none"
     return hasattr(F, "linear_cross_entropy") and plain
 
 
@@ -68,25 +78,27 @@ def torch_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     with stage_timing.stage("peer"):
         problem = build(spec)
         hidden = problem.hidden.to(problem.weight.dtype).requires_grad_()
-        weight = problem.weight.clone().requires_grad_()
+        leaves = {"hidden": hidden, "weight": problem.weight.clone().requires_grad_()}
+        if problem.bias is not None:
+            leaves["bias"] = problem.bias.clone().requires_grad_()
         loss = F.linear_cross_entropy(
-            hidden,
-            weight,
-            problem.targets,
-            reduction=spec.reduction,
-            ignore_index=problem.ignore_index,
-        )
+            hidden, leaves["weight"], problem.targets, linear_bias=leaves.get("bias"),
+            reduction=spec.reduction, ignore_index=problem.ignore_index,
+            label_smoothing=spec.label_smoothing,
+        )  # fmt: skip
         peer = {"loss": loss.detach().reshape(-1) if spec.reduction == "none" else loss.detach()}
         if spec.grads != "none" and spec.num_tokens:
-            grads = torch.autograd.grad(loss, (hidden, weight), problem.grad_loss)
-            peer["loss_grad_hidden"], peer["loss_grad_weight"] = grads
+            grads = torch.autograd.grad(loss, tuple(leaves.values()), problem.grad_loss)
+            peer.update({f"loss_grad_{name}": g for name, g in zip(leaves, grads, strict=True)})
     return _against_peer("torch_peer", spec, runner, peer)
 
 
 def megatron_peer_applies(spec: CaseSpec) -> bool:
     """megatron-core is installed and computes the case: equal shards (its own limit), untied,
-    at least one token."""
+    at least one token, no model option but the temperature (its label smoothing rescales
+    epsilon by V / (V - 1), another definition than lce's and PyTorch's)."""
     plain = not spec.tied and spec.transform == "none" and spec.num_tokens > 0
+    plain = plain and not spec.has_options
     return plain and spec.even_shards and megatron_installed()
 
 
@@ -141,7 +153,6 @@ def megatron_job(payload: dict[str, Any], ctx: Any) -> dict[str, torch.Tensor]:
         leaves = [t for t in (hidden, weight) if t.requires_grad]
         if leaves:
             upstream = loss_upstream_grad(valid, spec.reduction, problem.grad_loss)
-            upstream = torch.where(valid, -upstream, 0.0)
             grads = dict(
                 zip(("hidden", "weight"), _grads(token_loss, hidden, weight, upstream), strict=True)
             )

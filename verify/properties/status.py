@@ -18,6 +18,9 @@ NAMED_ARGUMENT = {
     "temperature_nan": "temperature",
     "hidden_size_mismatch": "hidden",
     "targets_float": "targets",
+    "softcap_zero": "softcap",
+    "smoothing_above_one": "label_smoothing",
+    "bias_length": "bias",
 }
 
 

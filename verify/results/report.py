@@ -33,8 +33,10 @@ RATIO_OUTPUTS = (
     "loss",
     "grad_hidden",
     "grad_weight",
+    "grad_bias",
     "loss_grad_hidden",
     "loss_grad_weight",
+    "loss_grad_bias",
 )
 
 

@@ -27,7 +27,7 @@ def adapter() -> Adapter:
         outputs=("logprobs", "entropy"),  # per-token outputs only: no loss
         token_outputs=_token_outputs,
         capabilities=Capabilities(
-            temperature=True,
+            options=("temperature",),  # of the model options, it takes the temperature
             deterministic=True,
             strided=False,  # it asserts contiguous inputs
             limits=Limits(hidden_multiple=128),  # it asserts hidden_size % 128 == 0

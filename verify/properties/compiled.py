@@ -114,6 +114,11 @@ def compiled_adapter(adapter: Adapter, device: torch.device) -> Adapter:
     # encode into its op's call (docs/DESIGN.md, "torch.compile"): one graph per value instead.
     torch._dynamo.config.specialize_float = True
     torch._dynamo.config.specialize_int = True
+    # AOTAutograd donates a backward's saved buffers once it has run without retain_graph, and
+    # refuses retain_graph on that graph afterwards, for any compiled code (measured with plain
+    # torch ops too): a property of the compiler, which a search mixing grads="twice" with
+    # single backwards in one worker would pin on the implementation.
+    torch._functorch.config.donated_buffer = False
     functions = {}
     for name in ("token_outputs", "loss"):
         fn = getattr(adapter, name)

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch._functorch.config
 
 from verify.adapters.interface import Adapter
 from verify.adapters.registry import resolve

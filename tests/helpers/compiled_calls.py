@@ -62,7 +62,7 @@ def run(call, inputs: dict[str, torch.Tensor], path: str) -> list[torch.Tensor]:
     first)."""
     leaves = ("hidden", "weight", "bias")
     hidden, weight, bias = (inputs[name].clone().requires_grad_() for name in leaves)
-    buffer = torch.zeros(weight.shape) if path == "into" else None
+    buffer = torch.zeros_like(weight) if path == "into" else None
     outputs = call(hidden, weight, bias, inputs["targets"], buffer)
     upstream = inputs["upstream"]
     if path == "tokens":
@@ -93,6 +93,8 @@ def compiled_and_eager(
     runs = []
     for tokens in TOKEN_COUNTS:
         inputs = problem(tokens, seed + tokens, rank, size)
+        if backend == "triton" and torch.cuda.is_available():  # compiled kernels (GPU nightly)
+            inputs = {name: tensor.cuda() for name, tensor in inputs.items()}
         runs.append((run(compiled, inputs, path), run(call, inputs, path)))
     return {
         "runs": runs,

@@ -65,7 +65,9 @@ def test_torch_backend_compiles_whole_and_matches_eager(path, options, compiler)
 def test_triton_backend_compiles_whole_and_matches_eager(path):
     pytest.importorskip("triton")
     options = MAP_ONLY if path == "tokens" else ALL_OPTIONS
-    _check(compiled_and_eager(path, options, "triton", compiler="aot_eager"))
+    # Inductor on the GPU (compiled kernels, CUDA tensors); the interpreter's CPU run traces alike.
+    compiler = "inductor" if torch.cuda.is_available() else "aot_eager"
+    _check(compiled_and_eager(path, options, "triton", compiler=compiler))
 
 
 def test_the_graph_holds_lce_as_one_opaque_op():

@@ -5,7 +5,8 @@ Run from the repo root (each peer is used when its package imports; wheels trave
 Steps: (1) the compiled kernels vs float64 at one large shape; (2) a tile sweep of both kernels at
 llama3-8k, the fastest tiles become the config of (3) (``--no-sweep`` keeps the configured ones);
 (3) the stages' breakdown (``--breakdown-shapes``); (4) per shape: one bf16 GEMM, stock PyTorch,
-lce triton (default, fast, main_grad), the cuBLAS GEMMs of the main_grad path alone,
+lce triton (default, fast, main_grad), the cuBLAS GEMMs of the main_grad path alone, lce and
+stock with a softcap and a z-loss (`option_rows`, at `OPTION_SHAPES`),
 and the peers (`PEERS`: Liger's Triton FLCE and Hopper CuTe kernels, QuACK, Apple CCE and its
 torch_compile path): time (median ms), peak memory above the inputs (GiB), normwise grad errors
 vs an fp32 materialized reference; then each issue's verdicts (`kernel_targets`). The stage tests
@@ -46,6 +47,7 @@ from verify.numerics.reference import IGNORE_INDEX
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "lce"))
 import kernel_targets  # this script's folder is on sys.path
+import option_rows
 from test_triton_stages import reference_grads, reference_rows, reference_stats
 
 PLAIN = LogitOptions()  # temperature 1, no other option: the plain LM head
@@ -56,6 +58,7 @@ SHAPES = {
     "gemma2-8k": (8192, 2304, 256000),
 }
 TARGET_SHAPE = "llama3-8k"  # where issue 3 sets its targets
+OPTION_SHAPES = ("gemma2-8k",)  # issue 31: the softcap and z-loss rows at Gemma 2's shape
 GIB = float(1 << 30)
 
 
@@ -491,6 +494,8 @@ def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
                 rows.append(measure(name, grads_of(loss_fn, inp, mode), ref, mode))
     rows += lce_scalar_rows(inp, ref)
     rows += lce_step_rows(inp, ref)
+    if shape in OPTION_SHAPES:
+        rows += lce_option_rows(inp)
     rows.append(measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None))
     grads_gib = (num_tokens + vocab) * hidden_size * 2 / GIB
     return {"shape": shape, "T_H_V": SHAPES[shape], "grads_gib": grads_gib, "rows": rows}
@@ -574,6 +579,27 @@ def graphed_step(inp: dict) -> Callable[[], tuple]:
         return outputs
 
     return replay
+
+
+def lce_option_rows(inp: dict) -> list[dict]:
+    """Per logit option (`option_rows.OPTIONS`): the stock path and lce with it, against an fp32
+    materialized reference with the same option (IEEE fp32 GEMMs)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    as_fp32 = {**inp, "hidden": inp["hidden"].float(), "weight": inp["weight"].float()}
+    rows = []
+    for name, (options, modes) in option_rows.OPTIONS.items():
+        stock = option_rows.stock_loss_with(options)
+        methods = {"stock PyTorch": stock, "lce triton": option_rows.lce_loss_with(options)}
+        for mode in modes:
+            loss, grad_hidden, grad_weight = grads_of(stock, as_fp32, mode)()
+            ref = {mode: (grad_hidden, grad_weight), "loss": loss.item()}
+            del loss, grad_hidden, grad_weight
+            for method, loss_fn in methods.items():
+                rows.append(measure(f"{method}, {name}", grads_of(loss_fn, inp, mode), ref, mode))
+            del ref
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
 
 
 PATH_GEMMS = "cuBLAS GEMMs of the main_grad path"
@@ -673,6 +699,11 @@ def main() -> None:
         print_issue24_targets(result, report, report["peers_unavailable"])
     for result in report["shapes"]:
         print_issue33_targets(result, report, report["peers_unavailable"])
+        if result["shape"] in OPTION_SHAPES:
+            lines = report[f"option_verdicts_{result['shape']}"] = option_rows.verdicts(
+                result["rows"]
+            )
+            print(f"\n## logit options at {result['shape']}\n" + "\n".join(lines))
     Path(args.json).write_text(json.dumps(report, indent=1))
 
 

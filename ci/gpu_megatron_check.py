@@ -139,19 +139,17 @@ def _grads(layer, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _token_reference(prob: Problem, hdtype, wdtype, temperature: float, loss: bool):
     """R on the same rounded inputs; upstream grads of the loss or of (logprobs, entropy)."""
-    from verify.numerics.reference import reference
+    from lce.options import LogitOptions
+    from verify.numerics.reference import Upstream, reference
 
     upstream = (
-        {"grad_logprob": -prob.g_loss.T.reshape(-1)}
+        Upstream(loss=prob.g_loss.T.reshape(-1))
         if loss
-        else {
-            "grad_logprob": prob.g_logprob.T.reshape(-1),
-            "grad_entropy": prob.g_entropy.T.reshape(-1),
-        }
+        else Upstream(prob.g_logprob.T.reshape(-1), prob.g_entropy.T.reshape(-1))
     )
     return reference(
         prob.hidden.to(hdtype).reshape(-1, H), prob.weight.to(wdtype), prob.labels.T.reshape(-1),
-        temperature=temperature, **upstream,
+        options=LogitOptions(temperature=temperature), upstream=upstream,
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from verify.adapters.builtin import flat_loss_adapter
+from verify.adapters.interface import Call
 
 CHUNK_TOKENS = 4
 
@@ -42,13 +43,14 @@ def chunked_linear_cross_entropy(
     return loss.mean()  # the bug: the mean counts ignored tokens
 
 
-def _paired_rows_loss(hidden, weight, targets, ignore_index, reduction):
+def _paired_rows_loss(call: Call, reduction: str) -> torch.Tensor:
     """A second kernel, with two bugs: it assumes an even row count (an ``assert``, not a
     declared limit) and keeps the logits in bf16 (a half-precision tile buffer)."""
-    assert hidden.shape[0] % 2 == 0, f"rows are processed in pairs; got {hidden.shape[0]}"
-    logits = (hidden @ weight.T).bfloat16().float()
+    rows = call.hidden.shape[0]
+    assert rows % 2 == 0, f"rows are processed in pairs; got {rows}"
+    logits = (call.hidden @ call.weight.T).bfloat16().float()
     return torch.nn.functional.cross_entropy(
-        logits, targets, reduction=reduction, ignore_index=ignore_index
+        logits, call.targets, reduction=reduction, ignore_index=call.ignore_index
     )
 
 

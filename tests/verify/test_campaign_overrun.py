@@ -16,7 +16,7 @@ import pytest
 
 BUDGET_S = 20.0  # the planted bug's first failure comes at example 3-5 of the ci profile, ~5 s
 GRACE_S = 1.0
-DEADLINE_S = 2.0
+DEADLINE_S = 5.0  # fixed and short; 2 s was met by a healthy case on 2 heavily shared cores
 # Past budget + grace: saving the failure, the report, the searches' exits (each a few seconds on
 # a loaded 2-core machine); an unbounded overrun (before the watchdog) runs to the timeout below.
 SLACK_S = 15.0

@@ -19,7 +19,9 @@ from verify.cli import EXIT_FAIL
 pytest_plugins = ["pytester"]
 
 BUDGET_S = 120.0  # two slices (TP 1 and 2) share it; the search ends before (--max-examples)
-DEADLINE_S = 2.0  # fixed: the kernels' healthy cases take milliseconds
+# Fixed: healthy cases take milliseconds, but 2 s was once met by a healthy case on 2 cores shared
+# with two other test runs (a first-attempt timeout whose rerun passes is an infrastructure error).
+DEADLINE_S = 5.0
 # Past budget + deadline: the pool's start, the report, the process's exit (seconds each on a
 # loaded 2-core machine).
 SLACK_S = 20.0

@@ -71,12 +71,13 @@ def test_a_flaky_failure_keeps_its_verdicts_marked() -> None:
     raises FlakyFailure (an exception group); its verdicts come back marked, nothing raises."""
     seen = set()
 
-    def first_call_wrong(hidden, weight, targets, ignore_index, reduction):
-        key = (reduction, hidden.detach().numpy().tobytes(), targets.numpy().tobytes())
+    def first_call_wrong(call, reduction):
+        key = (reduction, call.hidden.detach().numpy().tobytes(), call.targets.numpy().tobytes())
         wrong = key not in seen
         seen.add(key)
+        logits = (call.hidden @ call.weight.T).float()
         loss = torch.nn.functional.cross_entropy(
-            (hidden @ weight.T).float(), targets, reduction=reduction, ignore_index=ignore_index
+            logits, call.targets, reduction=reduction, ignore_index=call.ignore_index
         )
         return loss * 1.5 if wrong else loss
 

@@ -123,6 +123,7 @@ def tokens_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    targets: torch.Tensor,
     saved: list[torch.Tensor],
     upstream: list[torch.Tensor],
     plan: Plan,
@@ -152,8 +153,8 @@ def loss_forward(
     if call.reduction == "none":
         return [loss.view(targets.shape), z_term.view(targets.shape), kernel_targets, saved]
     totals = [loss.sum(), z_term.sum()]
-    if call.reduction == "mean":
-        count = (kernel_targets != IGNORED).sum()
+    if call.reduction == "mean":  # the caller's targets count, not the kernel's ids
+        count = (targets != plan.options.ignore_index).sum()
         totals = [total / count for total in totals]
     return [*totals, kernel_targets, saved]
 
@@ -162,6 +163,7 @@ def loss_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    targets: torch.Tensor,
     saved: list[torch.Tensor],
     upstream: list[torch.Tensor],
     plan: Plan,
@@ -172,7 +174,7 @@ def loss_backward(
     kernel_targets, stats = saved
     grad_loss = upstream[0].reshape(-1)
     if call.reduction == "mean":
-        grad_loss = grad_loss / (kernel_targets != IGNORED).sum()
+        grad_loss = grad_loss / (targets != plan.options.ignore_index).sum()
     grad_loss = grad_loss.expand(kernel_targets.shape)
     lse = GlobalStats(*stats.unbind(0)).lse
     stats_upstream = loss_upstream(grad_loss.to(lse.dtype), lse, plan.options.logit)
@@ -218,6 +220,7 @@ def fast_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    targets: torch.Tensor,
     saved: list[torch.Tensor],
     upstream: list[torch.Tensor],
     plan: Plan,

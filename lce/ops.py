@@ -75,7 +75,7 @@ def fused_backward(
     upstream gradients of its two outputs."""
     decoded = decode_call(call)
     plan = plan_call(decoded, hidden, weight, targets, agree=False)
-    grads = BACKWARDS[decoded.route](hidden, weight, bias, saved, upstream, plan, decoded)
+    grads = BACKWARDS[decoded.route](hidden, weight, bias, targets, saved, upstream, plan, decoded)
     return [grad for grad in grads if grad is not None]
 
 

@@ -24,6 +24,7 @@ import itertools
 import json
 import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -492,6 +493,7 @@ def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
             if mode == "mean" or name not in kernel_targets.MEAN_ONLY:
                 rows.append(measure(name, grads_of(loss_fn, inp, mode), ref, mode))
     rows += lce_scalar_rows(inp, ref)
+    rows += lce_step_rows(inp, ref)
     if shape in OPTION_SHAPES:
         rows += lce_option_rows(inp)
     rows.append(measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None))
@@ -522,6 +524,61 @@ def lce_scalar_rows(inp: dict, ref: dict) -> list[dict]:
     rows.append(measure(kernel_targets.LCE_MAIN_GRAD, run, ref, "mean", reset=main_grad.zero_))
     rows.append(measure(PATH_GEMMS, lambda: path_gemms(inp, main_grad), None, "mean"))
     return rows
+
+
+LCE_COMPILED = "lce triton, torch.compile"
+LCE_GRAPHED = "lce triton, CUDA graph replay"
+
+
+def lce_step_rows(inp: dict, ref: dict) -> list[dict]:
+    """lce's forward+backward under ``torch.compile(fullgraph=True)`` (mean loss and per-token),
+    and the mean loss's captured in a CUDA graph and replayed, next to the eager rows of the
+    same run (same inputs and reference). ``first_call_s``: the compiled step's first call
+    (Dynamo, AOTAutograd and Inductor around lce's op; Triton's own compile is cached by then)."""
+    compiled = torch.compile(lce_loss, fullgraph=True)
+    rows = []
+    for mode in ("mean", "token"):
+        began = time.perf_counter()
+        step = grads_of(compiled, inp, mode)
+        with contextlib.suppress(Exception):  # measure() records the error on the row
+            step()
+        torch.cuda.synchronize()
+        first_call_s = time.perf_counter() - began
+        rows.append(measure(LCE_COMPILED, step, ref, mode) | {"first_call_s": first_call_s})
+    try:
+        replay = graphed_step(inp)
+    except Exception as exc:  # a failed capture is a row of the table, not the run's end
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        return [*rows, {"method": LCE_GRAPHED, "mode": "mean", "error": error}]
+    return [*rows, measure(LCE_GRAPHED, replay, ref, "mean")]
+
+
+def graphed_step(inp: dict) -> Callable[[], tuple]:
+    """The mean loss's forward+backward captured once (after two warm-up runs on a side
+    stream); each call replays the graph on the captured inputs and returns its outputs."""
+    hidden = inp["hidden"].detach().clone().requires_grad_()
+    weight = inp["weight"].detach().clone().requires_grad_()
+
+    def step() -> tuple:
+        loss = lce_loss(hidden, weight, inp["targets"], "mean")
+        return loss.detach(), *torch.autograd.grad(loss, (hidden, weight))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+
+    def replay() -> tuple:
+        graph.replay()
+        return outputs
+
+    return replay
 
 
 def lce_option_rows(inp: dict) -> list[dict]:

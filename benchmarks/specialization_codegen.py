@@ -74,7 +74,7 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
     )
     forward_kernel.merge_partials(partials, plain, vocab_local, split_cols)
     launches["forward"], launches["merge"] = captured.pop("forward"), captured.pop("merge")
-    # As FusedTokenStats.backward builds them: fresh fp32 rows, bf16 grad_weight.
+    # As lce.autograd.token_grads builds them: fresh fp32 rows, bf16 grad_weight.
     rows = BackwardRows(*torch.empty(len(dataclasses.fields(BackwardRows)), num_tokens).unbind(0))
     grad_weight = torch.empty_like(weight)
     chunks = stages._dlogits_chunks(num_tokens, weight, grad_weight, GPU_CONFIG)

@@ -1,4 +1,6 @@
-"""Public entry points: validate, pick the backend, flatten ``[B, T, H]``, reduce. No math here."""
+"""Public entry points: DTensor weights to plain tensors, the arguments checked, the call encoded
+for lce's custom ops (`lce.ops`), which do the rest. No math here; `torch.compile` traces these
+functions whole (``fullgraph=True``) to one op node per call."""
 
 from __future__ import annotations
 
@@ -7,14 +9,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lce.autograd import FusedScalarLoss, FusedTokenStats, Plan
-from lce.backends import get_stages, resolve_backend_name
-from lce.backends.torch_chunked import default_chunk_size
+from lce.backends.base import Wanted
+from lce.call import Call, encode_call
 from lce.dtensor import local_call
-from lce.grad_buffer import loss_into_grad_buffer
-from lce.loss_terms import token_loss
+from lce.grad_buffer import check_grad_buffer
+from lce.ops import IntoGradBuffer  # importing lce.ops registers torch.ops.lce
 from lce.options import LCEOptions, LogitOptions
-from lce.tp import CallShape, agree_on_call, logit_key, resolve_shard, usable_group
+from lce.tp import agree_on_call, usable_group
 from lce.validation import check_flag, check_inputs, check_reduction
 
 
@@ -76,13 +77,16 @@ def token_logprobs(
         hidden, weight, bias, targets, tp_group, vocab_start
     )
     logit = {"temperature": temperature, "logit_scale": logit_scale, "softcap": softcap}
-    plan = _plan(
-        hidden, weight, bias, targets, "none", logit,
-        ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
-        reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
+    options = _checked_options(
+        hidden, weight, bias, targets, logit,
+        dict(
+            ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
+            reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
+        ),
     )  # fmt: skip
-    logprobs, entropy, _, _ = _token_outputs(hidden, weight, bias, targets, plan)
-    return TokenOutputs(logprobs, entropy)
+    call = Call("tokens", options, wanted=_wanted(hidden, weight, bias))
+    outputs = torch.ops.lce.fused(hidden, weight, bias, targets, encode_call(call))
+    return TokenOutputs(outputs[0], outputs[1])
 
 
 def linear_cross_entropy(
@@ -127,7 +131,7 @@ def linear_cross_entropy(
         grad_weight_into: an fp32 (fp64 for fp64 weights) ``[V_local, H]`` buffer, e.g.
             Megatron's ``weight.main_grad``: 3 GEMMs, the weight gradient is added to it (one
             fp32 accumulation, no buffer of lce's own) and ``weight.grad`` is left alone (see
-            `lce.grad_buffer.LossIntoGradBuffer`); the bias gets an ordinary gradient.
+            `lce.grad_buffer.into_forward`); the bias gets an ordinary gradient.
         assumed_loss_grad: with ``grad_weight_into``, the upstream gradient the caller will put
             on the loss (on each token's loss for ``"none"``), which the forward assumes; any
             other stays exact but recomputes the logits of the rows where it differs (for
@@ -143,105 +147,59 @@ def linear_cross_entropy(
         temperature=temperature, logit_scale=logit_scale, softcap=softcap, z_loss=z_loss,
         label_smoothing=label_smoothing,
     )  # fmt: skip
-    plan = _plan(
-        hidden, weight, bias, targets, reduction, logit, return_z_loss=return_z_loss,
-        ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
-        reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
+    options = _checked_options(
+        hidden, weight, bias, targets, logit,
+        dict(
+            ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
+            reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
+        ),
+        reduction, return_z_loss,
     )  # fmt: skip
-    if grad_weight_into is not None and _grads_wanted(hidden, weight, bias):
-        loss, z_term = loss_into_grad_buffer(
-            hidden, weight, bias, targets, plan, grad_weight_into, reduction, assumed_loss_grad
-        )
-    elif fast and reduction != "none" and _grads_wanted(hidden, weight, bias):
-        loss, z_term = FusedScalarLoss.apply(
-            hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan,
-            reduction,
-        )  # fmt: skip
+    wanted = _wanted(hidden, weight, bias)
+    route = "loss"
+    if grad_weight_into is not None and any(wanted):
+        route = "into"
+    elif fast and reduction != "none" and any(wanted):
+        route = "fast"
+    call = Call(route, options, reduction, wanted, assumed_loss_grad)
+    text = encode_call(call)
+    if route == "into":
+        check_grad_buffer(grad_weight_into, weight, assumed_loss_grad)
+        outputs = IntoGradBuffer.apply(hidden, weight, bias, targets, grad_weight_into, text, call)
     else:
-        loss, z_term = _reduced_loss(hidden, weight, bias, targets, plan, reduction)
-    return (loss, z_term.detach()) if return_z_loss else loss
+        outputs = torch.ops.lce.fused(hidden, weight, bias, targets, text)
+    return (outputs[0], outputs[1]) if return_z_loss else outputs[0]
 
 
-def _reduced_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    plan: Plan,
-    reduction: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The default (4-GEMM) path: `token_loss` of the differentiable token statistics, and its
-    z term, reduced."""
-    logprob, _, lse, smooth = _token_outputs(hidden, weight, bias, targets, plan)
-    loss, z_term = token_loss(logprob, lse, smooth, plan.options.logit)
-    if z_term is None:
-        z_term = torch.zeros_like(loss)
-    if reduction == "none":
-        return loss, z_term
-    totals = loss.sum(), z_term.sum()
-    if reduction == "sum":
-        return totals
-    count = (targets != plan.options.ignore_index).sum()
-    return totals[0] / count, totals[1] / count
-
-
-def _token_outputs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    plan: Plan,
-) -> tuple[torch.Tensor, ...]:
-    """`FusedTokenStats`' four statistics, each shaped like ``targets``."""
-    stats = FusedTokenStats.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan
+def _wanted(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Wanted:
+    """The gradients this call's backward computes (none outside grad mode)."""
+    grad_mode = torch.is_grad_enabled()
+    return Wanted(
+        *(grad_mode and leaf is not None and leaf.requires_grad for leaf in (hidden, weight, bias))
     )
-    return tuple(stat.view(targets.shape) for stat in stats)
 
 
-def _grads_wanted(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    leaves = (hidden, weight) if bias is None else (hidden, weight, bias)
-    return torch.is_grad_enabled() and any(leaf.requires_grad for leaf in leaves)
-
-
-def _plan(
+def _checked_options(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     targets: torch.Tensor,
-    reduction: str,
     logit: dict[str, object],
+    settings: dict[str, object],
+    reduction: str = "none",
     return_z_loss: bool = False,
-    **settings: object,
-) -> Plan:
-    """Check the arguments, agree with the TP group's other ranks, pick the stages and shard.
-
-    ``logit`` holds the `LogitOptions` fields, ``settings`` the other `LCEOptions` fields. Every
-    rejected argument raises on every rank of the TP group alike (`agree_on_call`).
-    """
+) -> LCEOptions:
+    """The call's options, its arguments checked: ``logit`` holds the `LogitOptions` fields,
+    ``settings`` the other `LCEOptions` fields. Every rejected argument raises on every rank of
+    the TP group alike (`agree_on_call`; the ranks whose arguments pass meet it in the op)."""
     group = usable_group(settings["tp_group"])
     try:
         options = LCEOptions(logit=LogitOptions(**logit), **settings)
         check_reduction(reduction)
         check_flag("return_z_loss", return_z_loss)
         check_inputs(hidden, weight, targets, bias)
-        backend = resolve_backend_name(options.backend, hidden.device, weight.dtype)
     except (TypeError, ValueError) as error:
         if group is not None:
             agree_on_call(group, None, error)  # the other ranks raise too, then this one
         raise
-    chunk_size = options.chunk_size
-    if group is not None:
-        shape = CallShape(
-            targets.numel(), weight.shape[0], options.vocab_start is not None,
-            logit_key(options.logit),
-        )  # fmt: skip
-        largest_shard = agree_on_call(group, shape, None)
-        if backend == "torch" and chunk_size is None:
-            # The scalar-loss path merges per chunk: every rank must cut the tokens alike.
-            chunk_size = default_chunk_size(largest_shard)
-    return Plan(
-        options=options,
-        shard=resolve_shard(group, options.vocab_start, weight.shape[0]),
-        stages=get_stages(backend, hidden.device, chunk_size),
-    )
+    return options

@@ -1,30 +1,29 @@
-"""The autograd functions every backend runs through: stages, TP merge, masking, grad casts."""
+"""The forward and backward of each loss path on plain tensors: stages, TP merge, masking, grad
+casts, reductions. lce's custom ops (`lce.ops`) run them; nothing here records autograd history
+except `grads_with_graph`, the double backward.
+
+A route's forward returns its two outputs, then the tensors its backward needs (saved by `lce.ops`);
+its backward returns the `Grads` of hidden, weight and bias from the upstream gradients of the
+two outputs.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import fields, replace
 
 import torch
 
-from lce.backends.base import Grads, StageBackend, TokenUpstream, Wanted, accumulation_dtype
+from lce.backends.base import Grads, TokenUpstream, Wanted, accumulation_dtype
+from lce.call import Call
 from lce.loss_pass import loss_pass
-from lce.options import LCEOptions
-from lce.tp import GlobalStats, VocabShard, merge_stats, reduce_grad_hidden
+from lce.loss_terms import loss_upstream, token_loss
+from lce.plan import Plan
+from lce.tp import GlobalStats, merge_stats, reduce_grad_hidden
 from lce.validation import check_target_ids
 
 # Kernel-side id of an ignored token: owned by no shard, so it adds nothing anywhere.
 IGNORED = -1
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One call, resolved: the caller's options, this rank's vocab shard, the backend's stages."""
-
-    options: LCEOptions
-    shard: VocabShard
-    stages: StageBackend
 
 
 def kernel_ids(targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,144 +32,257 @@ def kernel_ids(targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, 
     return ignored, torch.where(ignored, IGNORED, targets.long())
 
 
-class FusedTokenStats(torch.autograd.Function):
+def token_statistics(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    plan: Plan,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
     """The four token statistics (`TokenUpstream`'s order), fp32 ``[T]`` each, of the logits
-    ``plan.options.logit`` forms from ``hidden @ weight.T + bias``: ``logprob`` of the target,
-    ``entropy``, ``lse = logsumexp(z)`` and ``smooth = mean_j(-log p_j)`` (meaningful with label
-    smoothing only; the mean is over the whole vocabulary).
+    ``plan.options.logit`` forms from ``hidden [T, H] @ weight.T + bias``: ``logprob`` of the
+    target, ``entropy``, ``lse = logsumexp(z)`` and ``smooth = mean_j(-log p_j)`` (meaningful with
+    label smoothing only; the mean is over the whole vocabulary); exactly 0 on ignored rows.
 
-    Ignored rows give exactly 0 in every output and gradient. grad_hidden is returned in hidden's
-    dtype (summed over the TP group unless ``reduce_grad_hidden`` is False); grad_weight and
-    grad_bias in weight's (grad_bias stays on its rank, like grad_weight).
+    Also what `token_grads` needs: the kernel ids (`kernel_ids`) and the `GlobalStats` stacked
+    ``[8, T]``.
     """
+    ignore_index, shard, logit = plan.options.ignore_index, plan.shard, plan.options.logit
+    ignored, kernel_targets = kernel_ids(targets, ignore_index)
+    stats = plan.stages.forward_stats(
+        hidden.to(weight.dtype), weight, bias, kernel_targets, shard.vocab_start, logit
+    )
+    merged = merge_stats(stats, shard.owns(kernel_targets), shard, logit)
+    zero = torch.zeros_like(merged.max)
+    outputs = (merged.logprob, merged.entropy, merged.lse, merged.smooth)
+    saved = torch.stack([getattr(merged, f.name) for f in fields(GlobalStats)])
+    check_target_ids(targets, merged.owners, ignore_index)  # last: a host check syncs
+    return tuple(torch.where(ignored, zero, output) for output in outputs), kernel_targets, saved
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        plan: Plan,
-    ) -> tuple[torch.Tensor, ...]:
-        ignore_index, shard, logit = plan.options.ignore_index, plan.shard, plan.options.logit
-        ignored, kernel_targets = kernel_ids(targets, ignore_index)
-        stats = plan.stages.forward_stats(
-            hidden.to(weight.dtype), weight, bias, kernel_targets, shard.vocab_start, logit
-        )
-        merged = merge_stats(stats, shard.owns(kernel_targets), shard, logit)
-        zero = torch.zeros_like(merged.max)
-        outputs = (merged.logprob, merged.entropy, merged.lse, merged.smooth)
-        saved_stats = (getattr(merged, f.name) for f in fields(GlobalStats))
-        # hidden itself, not its cast: a double backward differentiates through the cast.
-        ctx.save_for_backward(hidden, weight, bias, kernel_targets, *saved_stats)
-        ctx.plan = plan
-        check_target_ids(targets, merged.owners, ignore_index)  # last: a host check syncs
-        return tuple(torch.where(ignored, zero, output) for output in outputs)
 
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, bias, kernel_targets, *saved_stats = ctx.saved_tensors
-        merged = GlobalStats(*saved_stats)
-        plan: Plan = ctx.plan
-        shard, logit = plan.shard, plan.options.logit
-        wanted = Wanted(*ctx.needs_input_grad[:3])
-        active = kernel_targets != IGNORED
-        zero = torch.zeros_like(merged.max)
-        upstream = TokenUpstream(
-            *(zero if g is None else torch.where(active, g, zero) for g in grad_outputs)
-        )
-        if torch.is_grad_enabled():  # create_graph=True: this backward is differentiated too
-            grads_with_graph = getattr(plan.stages, "grads_with_graph", None)
-            if grads_with_graph is None:
-                raise double_backward_error(f"the {type(plan.stages).__name__} backend")
-            if shard.group is not None:
-                raise double_backward_error("vocab-parallel TP (the softmax sums are collectives)")
-            grads = grads_with_graph(
-                hidden, weight, bias, kernel_targets, shard.vocab_start, logit, upstream, wanted
-            )
-            return (*grads, None, None)
-        rows = merged.backward_rows(upstream)
-        rows = replace(rows, target_grad=torch.where(active, rows.target_grad, zero))
-        # The TP sum of grad_hidden runs in fp32, rounded after it; without one the stage rounds
-        # its own fp32 sum (the Triton stage then needs no fp32 [T, H] buffer beside the result).
-        tp_sum = plan.options.reduce_grad_hidden and shard.group is not None
-        grads = plan.stages.backward_grads(
-            hidden.to(weight.dtype), weight, bias, kernel_targets, shard.vocab_start, logit,
-            rows, wanted, None if tp_sum else hidden.dtype,
-        )  # fmt: skip
-        if grads.hidden is not None and tp_sum:
-            reduce_grad_hidden(grads.hidden, shard.group)
-        return (*cast_grads(grads, hidden, weight), None, None)
+def token_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernel_targets: torch.Tensor,
+    saved: torch.Tensor,
+    upstream: TokenUpstream,
+    plan: Plan,
+    wanted: Wanted,
+) -> Grads:
+    """The gradients of ``sum_t upstream . statistics`` (`token_statistics`) for ``hidden`` of any
+    shape ``[..., H]``: grad_hidden in hidden's dtype and shape (summed over the TP group unless
+    ``reduce_grad_hidden`` is False), grad_weight and grad_bias in weight's (on their rank)."""
+    merged = GlobalStats(*saved.unbind(0))
+    shard, logit = plan.shard, plan.options.logit
+    active = kernel_targets != IGNORED
+    zero = torch.zeros_like(merged.max)
+    upstream = TokenUpstream(*(torch.where(active, g.reshape(-1), zero) for g in upstream))
+    rows = merged.backward_rows(upstream)
+    rows = replace(rows, target_grad=torch.where(active, rows.target_grad, zero))
+    # The TP sum of grad_hidden runs in fp32, rounded after it; without one the stage rounds
+    # its own fp32 sum (the Triton stage then needs no fp32 [T, H] buffer beside the result).
+    tp_sum = plan.options.reduce_grad_hidden and shard.group is not None
+    grads = plan.stages.backward_grads(
+        hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, kernel_targets,
+        shard.vocab_start, logit, rows, wanted, None if tp_sum else hidden.dtype,
+    )  # fmt: skip
+    if grads.hidden is not None and tp_sum:
+        reduce_grad_hidden(grads.hidden, shard.group)
+    return cast_grads(grads, hidden, weight)
 
 
 def cast_grads(grads: Grads, hidden: torch.Tensor, weight: torch.Tensor) -> Grads:
-    """The gradients in their inputs' dtypes: grad_hidden in hidden's, the others in weight's."""
-    return Grads(
-        *(
-            None if grad is None else grad.to(dtype)
-            for grad, dtype in zip(grads, (hidden.dtype, weight.dtype, weight.dtype), strict=True)
-        )
+    """The gradients in their inputs' dtypes (grad_hidden in hidden's, the others in weight's),
+    grad_hidden shaped like hidden."""
+    cast = [
+        None if grad is None else grad.to(dtype)
+        for grad, dtype in zip(grads, (hidden.dtype, weight.dtype, weight.dtype), strict=True)
+    ]
+    if cast[0] is not None:
+        cast[0] = cast[0].view(hidden.shape)
+    return Grads(*cast)
+
+
+def tokens_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    plan: Plan,
+    call: Call,
+) -> list[torch.Tensor]:
+    """`lce.token_logprobs`: logprobs and entropy shaped like ``targets``; kernel ids, stats."""
+    stats, kernel_targets, saved = token_statistics(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan
+    )
+    return [stats[0].view(targets.shape), stats[1].view(targets.shape), kernel_targets, saved]
+
+
+def tokens_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    saved: list[torch.Tensor],
+    upstream: list[torch.Tensor],
+    plan: Plan,
+    call: Call,
+) -> Grads:
+    zero = upstream[0].new_zeros(())
+    stats_upstream = TokenUpstream(upstream[0], upstream[1], zero, zero)
+    return token_grads(hidden, weight, bias, *saved, stats_upstream, plan, call.wanted)
+
+
+def loss_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    plan: Plan,
+    call: Call,
+) -> list[torch.Tensor]:
+    """The default (4-GEMM) loss: `token_loss` of the token statistics and its z term, reduced;
+    kernel ids and stats for the backward."""
+    (logprob, _, lse, smooth), kernel_targets, saved = token_statistics(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan
+    )
+    loss, z_term = token_loss(logprob, lse, smooth, plan.options.logit)
+    if z_term is None:
+        z_term = torch.zeros_like(loss)
+    if call.reduction == "none":
+        return [loss.view(targets.shape), z_term.view(targets.shape), kernel_targets, saved]
+    totals = [loss.sum(), z_term.sum()]
+    if call.reduction == "mean":  # the caller's targets count, not the kernel's ids
+        count = (targets != plan.options.ignore_index).sum()
+        totals = [total / count for total in totals]
+    return [*totals, kernel_targets, saved]
+
+
+def loss_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    saved: list[torch.Tensor],
+    upstream: list[torch.Tensor],
+    plan: Plan,
+    call: Call,
+) -> Grads:
+    """`loss_forward`'s gradients: each token's loss upstream (``mean``'s over the count), through
+    `loss_upstream` to the token statistics."""
+    kernel_targets, stats = saved
+    grad_loss = upstream[0].reshape(-1)
+    if call.reduction == "mean":
+        grad_loss = grad_loss / (targets != plan.options.ignore_index).sum()
+    grad_loss = grad_loss.expand(kernel_targets.shape)
+    lse = GlobalStats(*stats.unbind(0)).lse
+    stats_upstream = loss_upstream(grad_loss.to(lse.dtype), lse, plan.options.logit)
+    return token_grads(
+        hidden, weight, bias, kernel_targets, stats, stats_upstream, plan, call.wanted
     )
 
 
-class FusedScalarLoss(torch.autograd.Function):
-    """``sum`` or ``mean`` loss (`lce.loss_terms.token_loss`) and its z term, gradients computed
-    during the forward pass.
+def fast_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    plan: Plan,
+    call: Call,
+) -> list[torch.Tensor]:
+    """The ``fast`` scalar loss (``sum`` or ``mean``) and its z term, gradients computed during
+    the forward pass: each logits chunk once (3 GEMMs instead of 4), grad_weight accumulated
+    across token chunks in an fp32 ``[V_local, H]`` buffer of its own; the wanted fp32 gradients
+    follow the two outputs (backward only scales them by the loss's upstream)."""
+    ignore_index, shard = plan.options.ignore_index, plan.shard
+    ignored, ids = kernel_ids(targets.reshape(-1), ignore_index)
+    valid_count = (~ignored).sum()
+    acc = accumulation_dtype(weight.dtype)
+    scale = 1.0 if call.reduction == "sum" else 1.0 / valid_count.clamp_min(1).to(acc)
+    grad_loss = torch.where(ignored, 0.0, scale).to(acc)
+    result = loss_pass(
+        plan.stages, hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, ids,
+        shard, plan.options.logit, grad_loss, call.wanted,
+    )  # fmt: skip
+    check_target_ids(targets.reshape(-1), result.owners, ignore_index)
+    grads = result.grads
+    if grads.hidden is not None and plan.options.reduce_grad_hidden:
+        reduce_grad_hidden(grads.hidden, shard.group)
+    zero = torch.zeros_like(result.losses)
+    totals = [torch.where(ignored, zero, t).sum() for t in (result.losses, result.z_terms)]
+    if call.reduction == "mean":
+        totals = [total / valid_count for total in totals]
+    return [*totals, *(grad for grad in grads if grad is not None)]
 
-    The fast mode (``linear_cross_entropy(..., fast=True)``): the upstream gradient of a scalar
-    loss is known up to one factor, so each logits chunk is computed once (3 GEMMs instead of 4)
-    and grad_weight accumulates across token chunks in an fp32 ``[V_local, H]`` buffer of its own;
-    backward only scales the saved fp32 gradients by ``grad_output``. The z term (reduced like
-    the loss, already inside it) is for logging: no gradient flows through it. Same contract as
-    `FusedTokenStats`.
-    """
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        plan: Plan,
-        reduction: str,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        ignore_index, shard = plan.options.ignore_index, plan.shard
-        ignored, ids = kernel_ids(targets, ignore_index)
-        valid_count = (~ignored).sum()
-        acc = accumulation_dtype(weight.dtype)
-        scale = 1.0 if reduction == "sum" else 1.0 / valid_count.clamp_min(1).to(acc)
-        grad_loss = torch.where(ignored, 0.0, scale).to(acc)
-        wanted = Wanted(*ctx.needs_input_grad[:3])
-        result = loss_pass(
-            plan.stages, hidden.to(weight.dtype), weight, bias, ids, shard, plan.options.logit,
-            grad_loss, wanted,
-        )  # fmt: skip
-        check_target_ids(targets, result.owners, ignore_index)
-        grads = result.grads
-        if grads.hidden is not None and plan.options.reduce_grad_hidden:
-            reduce_grad_hidden(grads.hidden, shard.group)
-        ctx.save_for_backward(*grads)
-        ctx.dtypes = (hidden.dtype, weight.dtype, weight.dtype)
-        zero = torch.zeros_like(result.losses)
-        totals = [torch.where(ignored, zero, t).sum() for t in (result.losses, result.z_terms)]
-        if reduction == "mean":
-            totals = [total / valid_count for total in totals]
-        ctx.mark_non_differentiable(totals[1])
-        return totals[0], totals[1]
+def fast_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    saved: list[torch.Tensor],
+    upstream: list[torch.Tensor],
+    plan: Plan,
+    call: Call,
+) -> Grads:
+    saved = list(saved)
+    grads = []
+    for wanted, dtype in zip(call.wanted, (hidden.dtype, weight.dtype, weight.dtype), strict=True):
+        grads.append(scaled_copy(saved.pop(0), upstream[0], dtype) if wanted else None)
+    if grads[0] is not None:
+        grads[0] = grads[0].view(hidden.shape)
+    return Grads(*grads)
 
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled():  # the saved gradients hold no graph: refuse, never zeros
-            raise double_backward_error(
-                "linear_cross_entropy's fast=True path (its gradients are computed in the forward)"
-            )
-        scaled = [
-            None if grad is None else scaled_copy(grad, grad_loss, dtype)
-            for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)
-        ]
-        return (*scaled, None, None, None)
+
+def grads_with_graph(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    upstream: list[torch.Tensor],
+    plan: Plan,
+    call: Call,
+    wanted: Wanted,
+) -> Grads:
+    """The gradients as differentiable torch ops, for a backward with ``create_graph``: the
+    backend's `stats_with_graph` (torch backend, no TP) through the route's own loss, so the
+    second order sees every term (the z-loss's ``lse`` in its upstream too)."""
+    stages, shard = plan.stages, plan.shard
+    if call.route not in ("tokens", "loss"):
+        raise double_backward_error(
+            f"linear_cross_entropy's {ROUTE_NAMES[call.route]} path (its gradients are computed "
+            "in the forward)"
+        )
+    stats_with_graph = getattr(stages, "stats_with_graph", None)
+    if stats_with_graph is None:
+        raise double_backward_error(f"the {type(stages).__name__} backend")
+    if shard.group is not None:
+        raise double_backward_error("vocab-parallel TP (the softmax sums are collectives)")
+    ignored, ids = kernel_ids(targets.reshape(-1), plan.options.ignore_index)
+    stats = stats_with_graph(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, ids, shard.vocab_start,
+        plan.options.logit,
+    )  # fmt: skip
+    stats = [torch.where(ignored, 0.0, stat) for stat in stats]
+    if call.route == "tokens":
+        outputs = stats[:2]
+    else:
+        loss, _ = token_loss(stats[0], stats[2], stats[3], plan.options.logit)
+        count = (~ignored).sum()
+        outputs = [loss if call.reduction == "none" else loss.sum()]
+        outputs = [outputs[0] / count] if call.reduction == "mean" else outputs
+    objective = sum(
+        (out.reshape(-1) * g.reshape(-1).to(out.dtype)).sum()
+        for out, g in zip(outputs, upstream, strict=False)
+    )
+    leaves = ((hidden, wanted.hidden), (weight, wanted.weight), (bias, wanted.bias))
+    inputs = [tensor for tensor, need in leaves if need]
+    grads = list(torch.autograd.grad(objective, inputs, create_graph=True, allow_unused=True))
+    return Grads(*(grads.pop(0) if need else None for _, need in leaves))
+
+
+ROUTE_NAMES = {"fast": "fast=True", "into": "grad_weight_into"}
 
 
 def double_backward_error(unsupported: str) -> RuntimeError:

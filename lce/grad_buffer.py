@@ -4,7 +4,7 @@ With ``gradient_accumulation_fusion`` Megatron keeps an fp32 ``weight.main_grad`
 layers add the weight gradient straight into it. The 3-GEMM loss computes its gradients in the
 forward pass, so it adds there, one fp32 accumulation and no ``[V_local, H]`` buffer of its own.
 The forward assumes an upstream gradient; backward settles the difference exactly (see
-`LossIntoGradBuffer`).
+`into_forward`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lce.autograd import Plan, double_backward_error, kernel_ids
-from lce.backends.base import Wanted, accumulation_dtype
+from lce.autograd import kernel_ids
+from lce.backends.base import Grads, Wanted, accumulation_dtype
+from lce.call import Call
 from lce.loss_pass import loss_pass
+from lce.plan import Plan
 from lce.tp import VocabShard, reduce_grad_hidden
 from lce.validation import HOST_CHECKS_ENV, check_target_ids, host_checks
 
@@ -47,89 +49,104 @@ def check_grad_buffer(buffer: torch.Tensor, weight: torch.Tensor, assumed_upstre
         raise ValueError(f"assumed_upstream must be finite and non-zero, got {assumed_upstream}")
 
 
-class LossIntoGradBuffer(torch.autograd.Function):
-    """Per-token ``row_scale * loss`` and ``row_scale * z_term`` (fp32 ``[T]`` each), the weight
-    gradient added to ``buffer``.
+def into_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    buffer: torch.Tensor,
+    plan: Plan,
+    call: Call,
+) -> list[torch.Tensor]:
+    """The loss and its z term with ``call.reduction`` (shaped like `lce.linear_cross_entropy`'s),
+    the weight gradient added to ``buffer`` (checked by `check_grad_buffer`); then the fp32
+    grad_hidden and grad_bias (as wanted).
 
-    The forward computes the gradients assuming each loss's upstream gradient is
-    ``assumed_upstream`` (3 GEMMs), adds the weight part to ``buffer`` and keeps grad_hidden
-    (fp32 ``[T, H]``) and grad_bias (fp32). Backward scales grad_hidden's rows by the actual
+    The forward computes the gradients assuming each token's loss gets the upstream gradient
+    ``call.assumed_loss_grad`` (3 GEMMs), adds the weight part to ``buffer`` and keeps grad_hidden
+    (fp32 ``[T, H]``) and grad_bias (fp32). `into_backward` scales grad_hidden's rows by the actual
     upstream and recomputes the rows whose upstream differs from the assumption (`_settle`):
     ``buffer`` (and grad_bias) end at the true gradient either way, the assumption only decides
     the cost (where no host sync may find those rows, a device-side assert requires the
-    assumption instead). ``per_token``: the outputs are the caller's per-token losses
-    (``reduction="none"``), not summed by lce into a scalar. ``row_scale`` is 0 on ignored rows.
-    Every TP rank must get the same upstream gradients (the per-token loss is replicated, as in
-    megatron-core). The z term (inside the loss already) is for logging: no gradient flows
-    through it.
-
-    The weight's own gradient is what megatron-core's linear layers return under
-    gradient_accumulation_fusion: a dummy of weight's shape (zeros if ``weight.zero_out_wgrad``)
-    with ``weight.grad_added_to_main_grad = True`` where the weight has that flag (Megatron's
-    DDP), else None (``weight.grad`` untouched). The bias gets an ordinary gradient.
+    assumption instead). Every TP rank must get the same upstream gradients (the per-token loss is
+    replicated, as in megatron-core). The z term (inside the loss already) is for logging: no
+    gradient flows through it.
     """
+    ignore_index, logit = plan.options.ignore_index, plan.options.logit
+    shard, stages, wanted = plan.shard, plan.stages, call.wanted
+    flat_targets = targets.reshape(-1)
+    row_scale, valid_count = _row_scale(flat_targets, weight, plan, call.reduction)
+    _, ids = kernel_ids(flat_targets, ignore_index)
+    _check_before_accumulating(flat_targets, ids, shard, ignore_index)
+    result = loss_pass(
+        stages, hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, ids, shard,
+        logit, row_scale * call.assumed_loss_grad, wanted, buffer if wanted.weight else None,
+    )  # fmt: skip
+    grad_hidden, grad_bias = result.grads.hidden, result.grads.bias
+    if grad_hidden is not None and plan.options.reduce_grad_hidden:
+        reduce_grad_hidden(grad_hidden, shard.group)
+    losses, z_terms = result.losses * row_scale, result.z_terms * row_scale
+    if call.reduction == "none":
+        totals = [losses.view(targets.shape), z_terms.view(targets.shape)]
+    else:
+        totals = [losses.sum(), z_terms.sum()]
+    if call.reduction == "mean":  # NaN when every token is ignored, as in PyTorch
+        totals = [torch.where(valid_count > 0, total, torch.nan) for total in totals]
+    return [*totals, *(grad for grad in (grad_hidden, grad_bias) if grad is not None)]
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        plan: Plan,
-        buffer: torch.Tensor,
-        row_scale: torch.Tensor,
-        assumed_upstream: float,
-        per_token: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        ignore_index, logit = plan.options.ignore_index, plan.options.logit
-        shard, stages = plan.shard, plan.stages
-        _, ids = kernel_ids(targets, ignore_index)
-        _check_before_accumulating(targets, ids, shard, ignore_index)
-        compute_hidden = hidden.to(weight.dtype)
-        wanted = Wanted(*ctx.needs_input_grad[:3])
-        result = loss_pass(
-            stages, compute_hidden, weight, bias, ids, shard, logit, row_scale * assumed_upstream,
-            wanted, buffer if wanted.weight else None,
+
+def into_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    saved: list[torch.Tensor],
+    upstream: list[torch.Tensor],
+    buffer: torch.Tensor,
+    plan: Plan,
+    call: Call,
+) -> Grads:
+    """`into_forward`'s gradients of hidden and bias, ``buffer`` settled to the true weight
+    gradient (the weight's own gradient is `megatron_weight_grad`, outside the op)."""
+    flat_targets = targets.reshape(-1)
+    row_scale, valid_count = _row_scale(flat_targets, weight, plan, call.reduction)
+    grad_out = upstream[0]
+    if call.reduction == "mean":  # the NaN of an all-ignored mean passes no gradient
+        grad_out = torch.where(valid_count > 0, grad_out, torch.zeros_like(grad_out))
+    grad_out = grad_out.reshape(-1).expand(flat_targets.shape)
+    wanted, assumed = call.wanted, call.assumed_loss_grad
+    grad_hidden = saved[0] if wanted.hidden else None  # `lce.ops.into_slots`
+    grad_bias = saved[1] if wanted.bias else None
+    grad_upstream = torch.where(row_scale != 0, grad_out, torch.zeros_like(grad_out))
+    if grad_hidden is not None:
+        factor = (grad_upstream / assumed).to(grad_hidden.dtype)
+        grad_hidden = (grad_hidden * factor[:, None]).to(hidden.dtype).view(hidden.shape)
+    if grad_bias is not None:
+        grad_bias = grad_bias.clone()  # the saved one stays as saved (a second backward)
+    if wanted.weight or wanted.bias:
+        _, ids = kernel_ids(flat_targets, plan.options.ignore_index)
+        operands = (
+            hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, ids, plan.shard,
+            plan.options.logit, plan.stages,
         )  # fmt: skip
-        grad_hidden, grad_bias = result.grads.hidden, result.grads.bias
-        if grad_hidden is not None and plan.options.reduce_grad_hidden:
-            reduce_grad_hidden(grad_hidden, shard.group)
-        ctx.save_for_backward(grad_hidden, grad_bias, compute_hidden, weight, bias, ids, row_scale)
-        ctx.buffer = buffer  # not saved: megatron's layers keep main_grad out of version checks
-        ctx.flagged_weight = weight  # the object carrying DDP's flags (saved tensors may not)
-        ctx.settings = (hidden.dtype, logit, shard, stages, assumed_upstream, per_token)
-        z_terms = result.z_terms * row_scale
-        ctx.mark_non_differentiable(z_terms)
-        return result.losses * row_scale, z_terms
+        _settle(
+            operands, Wanted(False, wanted.weight, wanted.bias), buffer, grad_bias, row_scale,
+            assumed, grad_upstream, call.reduction == "none",
+        )  # fmt: skip
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(weight.dtype)
+    return Grads(grad_hidden, None, grad_bias)
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled():  # the saved gradients hold no graph: refuse, never zeros
-            raise double_backward_error(
-                "linear_cross_entropy's grad_weight_into path (its gradients are computed in the "
-                "forward)"
-            )
-        grad_hidden, grad_bias, compute_hidden, weight, bias, ids, row_scale = ctx.saved_tensors
-        hidden_dtype, logit, shard, stages, assumed, per_token = ctx.settings
-        upstream = torch.where(row_scale != 0, grad_out, torch.zeros_like(grad_out))
-        if grad_hidden is not None:
-            factor = (upstream / assumed).to(grad_hidden.dtype)
-            grad_hidden = (grad_hidden * factor[:, None]).to(hidden_dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.clone()  # the saved one stays as saved (a second backward)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            wanted = Wanted(False, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-            operands = (compute_hidden, weight, bias, ids, shard, logit, stages)
-            _settle(
-                operands, wanted, ctx.buffer, grad_bias, row_scale, assumed, upstream, per_token
-            )
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = megatron_weight_grad(ctx.flagged_weight)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(weight.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+def _row_scale(
+    targets: torch.Tensor, weight: torch.Tensor, plan: Plan, reduction: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's share of the loss (0 where ignored, ``1 / count`` for ``mean``), the count."""
+    valid = targets != plan.options.ignore_index
+    valid_count = valid.sum()
+    acc = accumulation_dtype(weight.dtype)
+    per_row = 1.0 if reduction != "mean" else 1.0 / valid_count.clamp_min(1).to(acc)
+    return torch.where(valid, per_row, 0.0).to(acc), valid_count
 
 
 def _check_before_accumulating(
@@ -195,35 +212,3 @@ def megatron_weight_grad(weight: torch.Tensor) -> torch.Tensor | None:
     weight.grad_added_to_main_grad = True
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
     return make(weight.shape, dtype=weight.dtype, device=weight.device)
-
-
-def loss_into_grad_buffer(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    plan: Plan,
-    buffer: torch.Tensor,
-    reduction: str,
-    assumed_upstream: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss and its z term with ``reduction`` (shaped like `lce.linear_cross_entropy`'s), the
-    weight gradient added to ``buffer``; ``assumed_upstream``: the gradient the caller will put on
-    the loss (on each token's loss for ``"none"``). Inputs already checked by
-    `lce.validation.check_inputs`."""
-    check_grad_buffer(buffer, weight, assumed_upstream)
-    valid = targets.reshape(-1) != plan.options.ignore_index
-    valid_count = valid.sum()
-    acc = accumulation_dtype(weight.dtype)
-    per_row = 1.0 if reduction != "mean" else 1.0 / valid_count.clamp_min(1).to(acc)
-    row_scale = torch.where(valid, per_row, 0.0).to(acc)
-    losses, z_terms = LossIntoGradBuffer.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
-        plan, buffer, row_scale, assumed_upstream, reduction == "none",
-    )  # fmt: skip
-    if reduction == "none":
-        return losses.view(targets.shape), z_terms.view(targets.shape)
-    totals = losses.sum(), z_terms.sum()
-    if reduction == "mean":  # NaN when every token is ignored, as in PyTorch
-        totals = tuple(torch.where(valid_count > 0, total, torch.nan) for total in totals)
-    return totals

@@ -1,6 +1,6 @@
 """One pass of the 3-GEMM loss: per logits chunk, shard statistics, the TP merge and the gradients.
 
-Shared by the fast scalar loss (`lce.autograd.FusedScalarLoss`) and the loss whose weight gradient
+Shared by the fast scalar loss (`lce.autograd.fast_forward`) and the loss whose weight gradient
 goes into a caller's buffer (`lce.grad_buffer`).
 """
 

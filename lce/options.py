@@ -110,6 +110,9 @@ class LCEOptions:
                 raise ValueError(
                     f"chunk_size must be >= 1 (tokens per chunk) or None, got {self.chunk_size}"
                 )
+        for name in ("ignore_index", "vocab_start", "chunk_size"):  # plain ints (`lce.call`)
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
 
 def _require_int(name: str, value: object, meaning: str) -> None:

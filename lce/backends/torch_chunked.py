@@ -17,7 +17,6 @@ from lce.backends.base import (
     GlobalMerge,
     Grads,
     ShardStats,
-    TokenUpstream,
     Wanted,
     accumulation_dtype,
     select_rows,
@@ -89,7 +88,7 @@ class TorchChunkedStages:
             _accumulate(d if slope is None else d.mul_(slope), hidden, weight, chunk, grads)
         return grads
 
-    def grads_with_graph(
+    def stats_with_graph(
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -97,31 +96,25 @@ class TorchChunkedStages:
         targets: torch.Tensor,
         vocab_start: int,
         logit: LogitOptions,
-        upstream: TokenUpstream,
-        wanted: Wanted,
-    ) -> Grads:
-        """`backward_grads` as differentiable torch ops, for a backward with ``create_graph``.
+    ) -> tuple[torch.Tensor, ...]:
+        """The four token statistics of `lce.autograd.token_statistics` as differentiable torch
+        ops, for a backward with ``create_graph`` (`lce.autograd.grads_with_graph`).
 
         One shard holding the whole vocabulary (no TP). ``hidden`` is the caller's tensor (its
-        cast to weight's dtype is differentiated too); gradients come back in the inputs' dtypes.
-        The logits are materialized whole: a second-order graph keeps them anyway.
+        cast to weight's dtype is differentiated too). The logits are materialized whole: a
+        second-order graph keeps them anyway. Not masked: ignored rows are the caller's.
         """
         logits = _raw(hidden.to(weight.dtype), weight, bias, logit)
         logits = logits * logit.centred_scale  # z = k r, `LogitOptions`
         log_p = torch.log_softmax(logits, dim=-1)
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         lse = torch.logsumexp(logits, dim=-1)
-        outputs = (
+        return (
             torch.where(owned, log_p.gather(1, local[:, None]).squeeze(1), 0.0),
             lse - (log_p.exp() * logits).sum(dim=-1),
             lse,
             -log_p.mean(dim=-1),
         )
-        leaves = ((hidden, wanted.hidden), (weight, wanted.weight), (bias, wanted.bias))
-        inputs = [tensor for tensor, need in leaves if need]
-        upstream = [g.to(out.dtype) for g, out in zip(upstream, outputs, strict=True)]
-        grads = list(torch.autograd.grad(outputs, inputs, upstream, create_graph=True))
-        return Grads(*(grads.pop(0) if need else None for _, need in leaves))
 
     def loss_grads_in_forward(
         self,

@@ -103,7 +103,7 @@ def output_layer_loss(
     With ``gradient_accumulation_fusion`` (the layer's flag) and an fp32 ``weight.main_grad``
     (Megatron's DDP), the loss takes the 3-GEMM path that adds the weight gradient straight into
     main_grad and returns what megatron-core's own layers return for the weight (see
-    `lce.grad_buffer.LossIntoGradBuffer`); its forward assumes each token's loss gets
+    `lce.grad_buffer.into_forward`); its forward assumes each token's loss gets
     ``options.assumed_loss_grad`` (tokens whose upstream differs, e.g. loss-masked ones, are
     recomputed in backward). Otherwise the weight gets an ordinary ``.grad``.
     """

@@ -118,7 +118,7 @@ def lce_adapter(backends: tuple[str, ...] = BACKENDS) -> Adapter:
     caps = Capabilities(
         options=OPTION_FIELDS, tensor_parallel=True, chunk_size=True, backends=backends,
         deterministic=True, validates_inputs=True, loss_paths=LOSS_PATHS,
-        double_backward=("torch",),
+        double_backward=("torch",), compiles=backends, graph_capture=backends,
     )  # fmt: skip
     name = "lce" if len(backends) > 1 else f"lce-{backends[0]}"
     return Adapter(

@@ -172,8 +172,12 @@ class Capabilities:
     gradient into a caller's buffer, checked by the main_grad property). ``double_backward``: the
     backends on which a backward with ``create_graph=True`` works (without TP, default loss path),
     every other one refusing it with an error naming double backward and ``create_graph``; None
-    claims no such contract (the double_backward property). ``limits``: the sizes it accepts
-    (`Limits`).
+    claims no such contract (the double_backward property). ``compiles``: the backends on which
+    its callables work under ``torch.compile(fullgraph=True)`` (no graph break) and give what
+    they give in eager (the compiled property). ``graph_capture``: the backends on which one
+    forward and backward can be captured in a CUDA graph and replayed with new inputs copied in,
+    giving eager's results bit for bit (the graph_replay property, on CUDA). ``limits``: the
+    sizes it accepts (`Limits`).
     """
 
     reductions: tuple[str, ...] = REDUCTIONS
@@ -192,6 +196,8 @@ class Capabilities:
     validates_inputs: bool = False
     loss_paths: tuple[str, ...] = ("default",)
     double_backward: tuple[str, ...] | None = None
+    compiles: tuple[str, ...] = ()
+    graph_capture: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -199,6 +205,8 @@ class Capabilities:
         _subset("options", self.options, OPTION_FIELDS)
         _subset("backends", self.backends, BACKENDS)
         _subset("double_backward", self.double_backward or (), BACKENDS)
+        _subset("compiles", self.compiles, BACKENDS)
+        _subset("graph_capture", self.graph_capture, BACKENDS)
         _subset("dtype_pairs", self.dtype_pairs, DTYPE_PAIRS)
         if not self.reductions or not self.dtype_pairs or not self.backends:
             raise AdapterError("reductions, dtype_pairs and backends each need at least one value")

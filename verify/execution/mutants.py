@@ -21,6 +21,7 @@ import lce.backends.torch_chunked as torch_chunked
 import lce.grad_buffer
 import lce.loss_pass
 import lce.loss_terms
+import lce.plan
 import lce.tp
 from lce.backends.base import Grads, ShardStats, select_rows
 from lce.options import LogitOptions
@@ -53,7 +54,7 @@ class MutantStages:
         # The double-backward recomputation is not bent (no mutant plants a bug there), nor is
         # the 3-GEMM loss pass's chunk sizing (its stages run unbent, `loss_grads_in_forward`);
         # the scalar-loss fast path stays hidden, so the default loss runs through the bent stages.
-        if name in ("grads_with_graph", "loss_chunk_rows"):
+        if name in ("stats_with_graph", "loss_chunk_rows"):
             return getattr(self.inner, name)
         raise AttributeError(name)
 
@@ -226,7 +227,7 @@ def _patch_loss_terms(token_loss, loss_upstream) -> Callable[[], contextlib.Abst
 
     def patch() -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
-        for module in (lce.api, lce.loss_pass):
+        for module in (lce.autograd, lce.loss_pass):
             if hasattr(module, "token_loss"):
                 stack.enter_context(mock.patch.object(module, "token_loss", token_loss))
             if hasattr(module, "loss_upstream"):
@@ -272,8 +273,8 @@ def _patch_merge(merge) -> Callable[[], contextlib.AbstractContextManager]:
 
 
 def _wrap_stages(cls) -> Callable[[], contextlib.AbstractContextManager]:
-    original = lce.api.get_stages
-    return lambda: mock.patch.object(lce.api, "get_stages", lambda *a, **k: cls(original(*a, **k)))
+    original = lce.plan.get_stages
+    return lambda: mock.patch.object(lce.plan, "get_stages", lambda *a, **k: cls(original(*a, **k)))
 
 
 def _off_by_one(targets, vocab_start, vocab_local):
@@ -351,7 +352,7 @@ def _round_tp_partials() -> Iterator[None]:
 
 
 _ORIGINAL_LCE = lce.api.linear_cross_entropy
-_ORIGINAL_TOKEN_OUTPUTS = lce.api._token_outputs
+_ORIGINAL_TOKEN_OUTPUTS = lce.autograd.token_statistics
 _ORIGINAL_TOKEN_LOSS = lce.loss_terms.token_loss
 _ORIGINAL_LOSS_UPSTREAM = lce.loss_terms.loss_upstream
 _ORIGINAL_MERGE = lce.tp.merge_stats
@@ -388,11 +389,11 @@ MUTANTS: dict[str, Mutant] = {
                lambda: mock.patch.object(torch_chunked, "_local_targets", _off_by_one),
                backends=("torch",), min_tp=2),
         Mutant("ignored_rows_not_zeroed", "ignore_index rows computed as target 0, not zeroed",
-               lambda: mock.patch.object(lce.api, "_token_outputs", _ignored_not_zeroed)),
+               lambda: mock.patch.object(lce.autograd, "token_statistics", _ignored_not_zeroed)),
         Mutant("int32_offset_wrap", "row * V offsets wrap (int32 overflow, simulated at 2^9)",
                _wrap_stages(Int32Wrap)),
         Mutant("hidden_cast_not_undone", "hidden's cast to weight's dtype done in place",
-               lambda: mock.patch.object(lce.api, "_token_outputs", _cast_in_place)),
+               lambda: mock.patch.object(lce.autograd, "token_statistics", _cast_in_place)),
         Mutant("grad_rounded_twice",
                "fast loss: saved gradient rounded to the input dtype, then scaled there",
                lambda: mock.patch.object(lce.autograd, "scaled_copy", _scaled_in_input_dtype)),

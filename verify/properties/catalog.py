@@ -12,13 +12,17 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from verify.adapters.features import Untested
 from verify.adapters.interface import Adapter
 from verify.cases.spec import CaseSpec
 from verify.execution.runner import Runner
 from verify.properties import (
+    compiled,
     differential,
     double_backward,
+    graph_replay,
     main_grad,
     metamorphic,
     peers,
@@ -187,6 +191,21 @@ PROPERTIES: dict[str, Property] = {
             "main_grad", "differential", main_grad.main_grad_accumulation,
             needs=(Need(lambda a, tps: "main_grad" in a.capabilities.loss_paths,
                         "no main_grad loss path claimed"),),
+            selftest=False,
+        ),
+        Property(
+            "compiled", "differential", compiled.compiled, applies=compiled.applies,
+            needs=(Need(lambda a, tps: bool(a.capabilities.compiles),
+                        "torch.compile support not claimed"),),
+            selftest=False,
+        ),
+        Property(
+            "graph_replay", "differential", graph_replay.graph_replay,
+            applies=graph_replay.applies,
+            needs=(Need(lambda a, tps: bool(a.capabilities.graph_capture),
+                        "CUDA-graph capture not claimed"),
+                   Need(lambda a, tps: torch.cuda.is_available(),
+                        "CUDA graphs need a CUDA device (the GPU nightly runs it)")),
             selftest=False,
         ),
     )

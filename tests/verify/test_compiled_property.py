@@ -1,0 +1,88 @@
+"""The compiled and graph_replay properties: lce passes the first on its torch backend (the ci
+campaign runs it), a fake implementation that disagrees with its op fails it, an implementation
+that claims neither gets both listed as not tested, and graph_replay adds nothing off CUDA."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import torch
+
+import lce.ops
+from verify.adapters.registry import resolve
+from verify.cases.spec import CaseSpec
+from verify.cli import EXIT_PASS, main
+from verify.execution.execute import LocalRank
+from verify.properties import compiled
+from verify.properties.catalog import applicable
+from verify.properties.graph_replay import check_replay
+from verify.running.engine import check_case
+
+# Batched (hidden [B, T, H]), every logit option, bf16: the shapes and dtypes a fake
+# implementation must get right; a per-token loss; a mean over random ignored tokens.
+SPECS = [
+    CaseSpec(tokens=7, vocab=11, seed=5, batch=2, reduction="mean", softcap=5.0, z_loss=0.01,
+             label_smoothing=0.1, bias=0.5, hidden_dtype="bf16", weight_dtype="bf16"),
+    CaseSpec(tokens=5, vocab=17, seed=3, ignore="random", reduction="none"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["batched-options-bf16", "per-token"])
+def test_lce_compiles_and_passes(spec):
+    verdicts = check_case(spec, properties=["compiled"])
+    assert verdicts and all(v.passed for v in verdicts), [v.line() for v in verdicts]
+    (outputs,) = [v for v in verdicts if v.output == "outputs"]
+    # lce's op is opaque to the compiler: every output equal to eager's, bit for bit.
+    assert "grad_hidden" in outputs.detail and "bit-equal to eager: ['entropy'," in outputs.detail
+
+
+def test_a_fake_implementation_that_drops_the_batch_dims_fails(monkeypatch):
+    """The backward op's fake implementation gives grad_hidden as ``[B*T, H]``: eager never runs
+    it, so only the compiled run can catch it."""
+    original = lce.ops.fake_grads
+
+    def flattened(hidden, weight, call):
+        grads = original(hidden, weight, call)
+        if call.wanted.hidden and hidden.dim() == 3:
+            grads[0] = grads[0].reshape(-1, hidden.shape[-1])
+        return grads
+
+    torch._dynamo.reset()  # graphs compiled with the right fake would hide the bug
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    monkeypatch.setattr(lce.ops, "fake_grads", flattened)
+    try:
+        verdicts = check_case(SPECS[0], properties=["compiled"])
+    finally:
+        torch._dynamo.reset()
+    failed = [v for v in verdicts if not v.passed]
+    assert [v.output for v in failed] == ["status"], [v.line() for v in verdicts]
+    assert "under torch.compile" in failed[0].detail
+    assert check_case(SPECS[0], properties=["differential"])  # eager still runs it
+
+
+def test_an_implementation_claiming_neither_has_both_listed_as_not_tested():
+    _, untested = applicable(resolve("torch"), (1,))
+    reasons = {u.what: u.reason for u in untested}
+    assert reasons["property compiled"] == "torch.compile support not claimed"
+    assert reasons["property graph_replay"] == "CUDA-graph capture not claimed"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="off CUDA only")
+def test_graph_replay_adds_no_verdict_off_cuda():
+    adapter = resolve("lce-torch")
+    assert check_replay(SPECS[1], adapter, None, LocalRank(torch.device("cpu"))) == []
+    _, untested = applicable(adapter, (1,))
+    assert any(u.what == "property graph_replay" and "CUDA device" in u.reason for u in untested)
+
+
+def test_the_ci_campaign_runs_compiled_on_the_torch_backend(tmp_path, capsys):
+    out = tmp_path / "report"
+    # Bounded by a budget: each new dtype, option set or layout recompiles (about a second).
+    argv = shlex.split("run --profile ci --backends torch --tp 1 --budget-s 12")
+    argv += ["--properties", "compiled", "--out", str(out)]
+    assert main(argv) == EXIT_PASS, capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    counts = [c for c in report["counts"] if c["property"] == "compiled"]
+    assert counts and report["passed"] and report["examples"] >= 2

@@ -126,9 +126,10 @@ def test_a_campaign_of_another_kernel_reports_each_finding_on_its_own_spec(tmp_p
     records = {f["artifact"]: json.loads(Path(f["artifact"]).read_text()) for f in doc["failures"]}
     errors = [r for r in records.values() if r["error"]]
     numerical = [r for r in records.values() if not r["error"]]
-    (error,) = errors
-    rows = CaseSpec.from_json(json.dumps(error["spec"])).num_tokens  # the rows its message names
-    assert f"AssertionError: rows are processed in pairs; got {rows}" in error["error"]
+    assert errors  # one per message: the covering rows reach several odd row counts
+    for error in errors:
+        rows = CaseSpec.from_json(json.dumps(error["spec"])).num_tokens  # the rows it names
+        assert f"AssertionError: rows are processed in pairs; got {rows}" in error["error"]
     assert numerical and doc["outcome"] == "failed"
     for record in numerical:  # the bf16 logits' verdicts survive
         assert CaseSpec.from_json(json.dumps(record["spec"])).num_tokens % 2 == 0

@@ -3,15 +3,11 @@ its old content plus the gradient (Megatron's gradient_accumulation_fusion contr
 
 from __future__ import annotations
 
-import torch
-
-from verify.adapters.builtin import MAIN_GRAD_ASSUMED_LOSS_GRAD, main_grad_old_content
-from verify.cases.rank_inputs import vocab_range
 from verify.cases.spec import CaseSpec
 from verify.execution.outcome import TOLERANCE_OUTPUT
 from verify.execution.runner import Runner
 from verify.numerics.tolerances import load
-from verify.properties.oracle import Oracle, oracle
+from verify.properties.oracle import oracle
 from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
 
 OUTPUTS = ("loss", "loss_grad_hidden", "loss_grad_weight", "loss_grad_bias")
@@ -24,7 +20,8 @@ def main_grad_accumulation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdi
     weight's scale and the adapter reports what it gained (`verify.adapters.builtin`), so a path
     that overwrites, drops or double-counts the old content, or adds a wrong gradient, fails here
     (with the loss and grad_hidden of the same call). What it gained also carries the buffer's
-    own rounding (`buffer_rounding`), which the weight gradient's tiers are granted on top.
+    own rounding (`verify.properties.oracle.buffer_rounding`), which `tolerance_check` grants
+    the weight gradient of every main_grad case, whichever property judges it.
     Cases that cannot take the path (two backwards, no weight gradient) run as drawn.
     """
     on_path = spec.grads in ("both", "weight")
@@ -34,7 +31,6 @@ def main_grad_accumulation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdi
     if run.status != "ok":
         return [flag("main_grad", spec, "status", False, f"refused a valid case: {run.error}")]
     exp, tols = oracle(spec), load()
-    extra = {"loss_grad_weight": buffer_rounding(exp)} if on_path else {}
     return [
         tolerance_check(
             "main_grad",
@@ -44,39 +40,8 @@ def main_grad_accumulation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdi
             exp.ref[name],
             exp.base[name],
             tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name]),
-            extra=extra.get(name),
             statistical=True,
         )
         for name in OUTPUTS
         if name in run.outputs
     ]
-
-
-def buffer_rounding(exp: Oracle) -> torch.Tensor:
-    """Elementwise bound ``gamma_n * (|old| + M_a + M)`` on the rounding main_grad's gain carries.
-
-    main_grad ends as a floating-point sum of its old content and the rows' terms, in whatever
-    order the accumulation GEMMs choose (a CPU BLAS adds row by row into the loaded buffer:
-    measured 3.8 u |old| with one chunk). Any order of summing them rounds at most once per
-    addition, each by ``u`` times a partial sum, so by ``gamma_n = n u / (1 - n u)`` times a
-    bound on every partial sum. Additions: one per valid row as lce's forward accumulates the
-    gradient for the assumed upstream, two per valid row whose upstream differs (backward takes
-    that row out and adds the true one, `lce.grad_buffer`), and the adapter's ``after - old``.
-    Partial sums: within ``|old|`` plus the absolute-term sums of the assumed pass (``M_a``) and
-    of the true gradient (``M``). ``u`` is main_grad's (fp32; fp64 for fp64 weights). Rows of an
-    ignored token add exact zeros; the gradient's own rounding is the tiers' business.
-    """
-    spec, problem = exp.spec, exp.problem
-    shards = [problem.weight[slice(*vocab_range(spec, rank))] for rank in range(spec.tp)]
-    old = torch.cat([main_grad_old_content(shard) for shard in shards])
-    valid = problem.valid
-    assumed = torch.full_like(problem.grad_loss, MAIN_GRAD_ASSUMED_LOSS_GRAD)
-    differs = valid & (problem.grad_loss != assumed).expand(valid.shape)
-    additions = int(valid.sum()) + 2 * int(differs.sum()) + 1
-    unit = torch.finfo(old.dtype).eps / 2
-    gamma = additions * unit / (1 - additions * unit)
-    true_terms = exp.magnitudes["loss_grad_weight"]
-    assumed_terms = true_terms  # the same upstream on every valid row: the same terms
-    if differs.any():
-        assumed_terms = exp.loss_magnitudes(MAIN_GRAD_ASSUMED_LOSS_GRAD)["grad_weight"]
-    return gamma * (old.double().abs() + assumed_terms + true_terms)

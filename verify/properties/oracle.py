@@ -16,9 +16,10 @@ from functools import cached_property, lru_cache
 import torch
 
 from lce.options import LogitOptions
+from verify.adapters.builtin import MAIN_GRAD_ASSUMED_LOSS_GRAD, main_grad_old_content
 from verify.cases.build import TIE_SCALE, Problem, build
 from verify.cases.layouts import operand_layouts, with_layout
-from verify.cases.rank_inputs import effective_temperature
+from verify.cases.rank_inputs import effective_temperature, vocab_range
 from verify.cases.spec import CaseSpec
 from verify.execution import stage_timing
 from verify.numerics.compare import half_subnormal
@@ -415,3 +416,33 @@ def _row_sizes(
     if problem.bias is not None:
         out["grad_bias"] = sizes.sum(0)
     return zmax, spread, out
+
+
+def buffer_rounding(exp: Oracle) -> torch.Tensor:
+    """Elementwise bound ``gamma_n * (|old| + M_a + M)`` on the rounding main_grad's gain carries.
+
+    main_grad ends as a floating-point sum of its old content and the rows' terms, in whatever
+    order the accumulation GEMMs choose (a CPU BLAS adds row by row into the loaded buffer:
+    measured 3.8 u |old| with one chunk). Any order of summing them rounds at most once per
+    addition, each by ``u`` times a partial sum, so by ``gamma_n = n u / (1 - n u)`` times a
+    bound on every partial sum. Additions: one per valid row as lce's forward accumulates the
+    gradient for the assumed upstream, two per valid row whose upstream differs (backward takes
+    that row out and adds the true one, `lce.grad_buffer`), and the adapter's ``after - old``.
+    Partial sums: within ``|old|`` plus the absolute-term sums of the assumed pass (``M_a``) and
+    of the true gradient (``M``). ``u`` is main_grad's (fp32; fp64 for fp64 weights). Rows of an
+    ignored token add exact zeros; the gradient's own rounding is the tiers' business.
+    """
+    spec, problem = exp.spec, exp.problem
+    shards = [problem.weight[slice(*vocab_range(spec, rank))] for rank in range(spec.tp)]
+    old = torch.cat([main_grad_old_content(shard) for shard in shards])
+    valid = problem.valid
+    assumed = torch.full_like(problem.grad_loss, MAIN_GRAD_ASSUMED_LOSS_GRAD)
+    differs = valid & (problem.grad_loss != assumed).expand(valid.shape)
+    additions = int(valid.sum()) + 2 * int(differs.sum()) + 1
+    unit = torch.finfo(old.dtype).eps / 2
+    gamma = additions * unit / (1 - additions * unit)
+    true_terms = exp.magnitudes["loss_grad_weight"]
+    assumed_terms = true_terms  # the same upstream on every valid row: the same terms
+    if differs.any():
+        assumed_terms = exp.loss_magnitudes(MAIN_GRAD_ASSUMED_LOSS_GRAD)["grad_weight"]
+    return gamma * (old.double().abs() + assumed_terms + true_terms)

@@ -9,6 +9,7 @@ for.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -204,17 +205,22 @@ def liger_adapter() -> Adapter:
 
 
 def cce_adapter(filter_eps: float | str | None = "high") -> Adapter:
-    """Apple's cut-cross-entropy (``impl='cce'``), CUDA only: bias and softcap. ``filter_eps``
+    """Apple's cut-cross-entropy (``impl='cce'``), CUDA only: softcap, and a bias where the
+    installed version has one. ``filter_eps``
     is CCE's gradient filter: its default ``"high"`` skips softmax entries below a threshold (an
     approximation by design); ``None`` computes every entry."""
     cce = _import("cut_cross_entropy", "cut-cross-entropy")
     _need_cuda("cce")
 
+    # A bias arrived after 25.1.1 (whose function has no such parameter): claimed where it exists.
+    has_bias = "bias" in inspect.signature(cce.linear_cross_entropy).parameters
+
     def loss_2d(call: Call, reduction: str) -> torch.Tensor:
+        bias = {"bias": call.bias} if has_bias else {}
         return cce.linear_cross_entropy(
-            call.hidden, call.weight, call.targets, bias=call.bias,
-            ignore_index=call.ignore_index, softcap=call.options.softcap, reduction=reduction,
-            filter_eps=filter_eps, impl="cce",
+            call.hidden, call.weight, call.targets, ignore_index=call.ignore_index,
+            softcap=call.options.softcap, reduction=reduction, filter_eps=filter_eps, impl="cce",
+            **bias,
         )  # fmt: skip
 
     name = "cce" if filter_eps == "high" else "cce-exact"
@@ -224,7 +230,8 @@ def cce_adapter(filter_eps: float | str | None = "high") -> Adapter:
     # fp32 is not claimed: CCE's backward asserts "Backwards requires embeddings to be bf16 or
     # fp16" (seen on an H200 with cut-cross-entropy 25.1.1).
     pairs = (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
-    caps = Capabilities(dtype_pairs=pairs, options=("bias", "softcap"))
+    options = ("bias", "softcap") if has_bias else ("softcap",)
+    caps = Capabilities(dtype_pairs=pairs, options=options)
     return flat_loss_adapter(name, loss_2d, device="cuda", description=call, capabilities=caps)
 
 

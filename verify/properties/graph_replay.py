@@ -147,6 +147,8 @@ class _Step:
             for name, tensor in mine.items():
                 tensor.copy_(theirs[name])
             self.inputs.targets.copy_(other.inputs.targets)
+            if self.inputs.embed_ids is not None:  # a tied case's lookup runs inside the graph
+                self.inputs.embed_ids.copy_(other.inputs.embed_ids)
             for name, tensor in self.upstream.items():
                 if tensor is not None:
                     _write(tensor, other.upstream[name])

@@ -97,11 +97,21 @@ def cast_grads(grads: Grads, hidden: torch.Tensor, weight: torch.Tensor) -> Grad
     grad_hidden shaped like hidden."""
     cast = [
         None if grad is None else grad.to(dtype)
-        for grad, dtype in zip(grads, (hidden.dtype, weight.dtype, weight.dtype), strict=True)
+        for grad, dtype in zip(grads, _grad_dtypes(hidden, weight), strict=True)
     ]
-    if cast[0] is not None:
-        cast[0] = cast[0].view(hidden.shape)
-    return Grads(*cast)
+    return _shaped_like_hidden(cast, hidden)
+
+
+def _grad_dtypes(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dtype, ...]:
+    """The dtypes of the gradients of hidden, weight and bias (the bias's is weight's)."""
+    return hidden.dtype, weight.dtype, weight.dtype
+
+
+def _shaped_like_hidden(grads: list[torch.Tensor | None], hidden: torch.Tensor) -> Grads:
+    """``grads`` (of hidden, weight, bias) with grad_hidden shaped like hidden."""
+    if grads[0] is not None:
+        grads[0] = grads[0].view(hidden.shape)
+    return Grads(*grads)
 
 
 def tokens_forward(
@@ -228,11 +238,9 @@ def fast_backward(
 ) -> Grads:
     saved = list(saved)
     grads = []
-    for wanted, dtype in zip(call.wanted, (hidden.dtype, weight.dtype, weight.dtype), strict=True):
+    for wanted, dtype in zip(call.wanted, _grad_dtypes(hidden, weight), strict=True):
         grads.append(scaled_copy(saved.pop(0), upstream[0], dtype) if wanted else None)
-    if grads[0] is not None:
-        grads[0] = grads[0].view(hidden.shape)
-    return Grads(*grads)
+    return _shaped_like_hidden(grads, hidden)
 
 
 def grads_with_graph(

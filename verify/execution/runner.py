@@ -12,6 +12,7 @@ library API and the tests of the properties).
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -216,6 +217,18 @@ class Runner:
             raise ValueError(f"adapter {self.adapter.name!r} has no ref for the workers")
         return self._on_pool(job, payload, spec)
 
+    def run_check(self, check: str, spec: CaseSpec) -> Any:
+        """``check(spec, adapter, mutant, rank)`` (``"module:function"``) on one rank: a worker's
+        when there is a pool (`check_job`), this process's otherwise; its result."""
+        payload = {"check": check, "spec": spec.to_json(), "impl": self.adapter.ref}
+        payload["mutant"] = self.mutant
+
+        def here() -> list[Any]:
+            local = execute.LocalRank(torch.device(self.adapter.device))
+            return [_named(check)(spec, self.adapter, self.mutant, local)]
+
+        return self.run_job(CHECK_JOB, payload, spec, here)[0]
+
     def _on_pool(self, job: str, payload: dict, spec: CaseSpec) -> list[Any]:
         """``job`` on the pool: a first fault is rerun once on fresh workers (see the module)."""
         assert self.pool is not None
@@ -258,3 +271,18 @@ class Runner:
                 self.on_fault(f"{first.detail}; the rerun: {fault.detail}; spec {spec.to_json()}")
             raise InfraFault(error, spec) from error
         return fault
+
+
+CHECK_JOB = "verify.execution.runner:check_job"
+
+
+def check_job(payload: dict[str, Any], rank: execute.Rank) -> Any:
+    """A worker's entry for `Runner.run_check`: the named check on this worker's device."""
+    spec = CaseSpec.from_json(payload["spec"])
+    return _named(payload["check"])(spec, resolve(payload["impl"]), payload["mutant"], rank)
+
+
+def _named(ref: str) -> Callable[..., Any]:
+    """The function ``"module:function"`` names."""
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)

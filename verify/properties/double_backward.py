@@ -6,7 +6,7 @@ claimed, per-token outputs and the scalar loss are checked in float64 along rand
 against central differences; everywhere else the implementation must raise a RuntimeError naming
 double backward and ``create_graph``. A path that does neither (returns second-order terms without
 being right) fails: a silent zero was the bug this property was written for. The check runs in a
-worker like every case (`Runner.run_job`), on its device.
+worker like every case (`Runner.run_check`), on its device.
 """
 
 from __future__ import annotations
@@ -17,16 +17,15 @@ from typing import Any
 import torch
 
 from verify.adapters.interface import Adapter, Call
-from verify.adapters.registry import resolve
 from verify.cases.build import build
 from verify.cases.rank_inputs import effective_temperature
 from verify.cases.spec import CaseSpec
-from verify.execution.execute import LocalRank, Rank
+from verify.execution.execute import Rank
 from verify.execution.mutants import applied
 from verify.execution.runner import Runner
 from verify.properties.verdict import PropertyVerdict, flag
 
-JOB = "verify.properties.double_backward:double_backward_job"
+CHECK = "verify.properties.double_backward:check_double_backward"
 # Both must appear in the refusal: what is unsupported and the switch that asks for it.
 REFUSAL_WORDS = ("double backward", "create_graph")
 # Central differences in fp64: truncation ~ FD_STEP^2 |third derivative| and rounding ~ 1e-16 /
@@ -37,19 +36,7 @@ SECOND_ORDER_RTOL = 1e-5
 
 def double_backward(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """Second-order gradients match finite differences (fp64) where supported, else refused."""
-    payload = {"spec": spec.to_json(), "impl": runner.adapter.ref, "mutant": runner.mutant}
-
-    def here() -> list[Any]:
-        local = LocalRank(torch.device(runner.adapter.device))
-        return [check_double_backward(spec, runner.adapter, runner.mutant, local)]
-
-    return runner.run_job(JOB, payload, spec, here)[0]
-
-
-def double_backward_job(payload: dict[str, Any], rank: Rank) -> list[PropertyVerdict]:
-    """A worker's entry: the check on this worker's device."""
-    spec = CaseSpec.from_json(payload["spec"])
-    return check_double_backward(spec, resolve(payload["impl"]), payload["mutant"], rank)
+    return runner.run_check(CHECK, spec)
 
 
 def check_double_backward(

@@ -10,21 +10,18 @@ Compared bit for bit: a replay launches the kernels eager launches, on the same 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from verify.adapters.interface import Adapter, Call
-from verify.adapters.registry import resolve
 from verify.cases.build import build
 from verify.cases.rank_inputs import RankInputs, rank_inputs, upstream_view
 from verify.cases.spec import CaseSpec
-from verify.execution.execute import LocalRank, Rank, on_device
+from verify.execution.execute import Rank, on_device
 from verify.execution.mutants import applied
 from verify.execution.runner import Runner
 from verify.properties.verdict import PropertyVerdict, flag
 
-JOB = "verify.properties.graph_replay:graph_replay_job"
+CHECK = "verify.properties.graph_replay:check_replay"
 
 
 def applies(spec: CaseSpec) -> bool:
@@ -37,19 +34,7 @@ def graph_replay(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """A CUDA-graph replay with new inputs equals eager on them (outputs and gradients)."""
     if spec.backend not in runner.adapter.capabilities.graph_capture:
         return []
-    payload = {"spec": spec.to_json(), "impl": runner.adapter.ref, "mutant": runner.mutant}
-
-    def here() -> list[Any]:
-        local = LocalRank(torch.device(runner.adapter.device))
-        return [check_replay(spec, runner.adapter, runner.mutant, local)]
-
-    return runner.run_job(JOB, payload, spec, here)[0]
-
-
-def graph_replay_job(payload: dict[str, Any], rank: Rank) -> list[PropertyVerdict]:
-    """A worker's entry: the check on this worker's device."""
-    spec = CaseSpec.from_json(payload["spec"])
-    return check_replay(spec, resolve(payload["impl"]), payload["mutant"], rank)
+    return runner.run_check(CHECK, spec)
 
 
 def check_replay(

@@ -74,15 +74,22 @@ def shared_bytes(kernel, tile: TileShape, dtype: torch.dtype, tma: bool, options
 
 def main() -> None:
     rows = []
-    for kernel, tile in ((_forward_partials_kernel, GPU_CONFIG.forward),
-                         (_dlogits_kernel, GPU_CONFIG.backward)):  # fmt: skip
+    # The capped backward tile (`TritonConfig.backward_capped`) runs only with a softcap: every
+    # dtype and load path with the options on.
+    tiled = (("_forward_partials_kernel", _forward_partials_kernel, GPU_CONFIG.forward, OPTIONS),
+             ("_dlogits_kernel", _dlogits_kernel, GPU_CONFIG.backward, OPTIONS),
+             ("_dlogits_kernel capped", _dlogits_kernel, GPU_CONFIG.backward_capped,
+              {"options": True}))  # fmt: skip
+    for label, kernel, tile, switches in tiled:
         for dtype in TRITON_TYPES:
             for tma in (True, False):
-                for name, options in OPTIONS.items():
-                    if options and (dtype != torch.bfloat16 or not tma):
+                for name, options in switches.items():
+                    if options and tile is not GPU_CONFIG.backward_capped and (
+                        dtype != torch.bfloat16 or not tma
+                    ):
                         continue
                     rows.append({
-                        "kernel": kernel.__name__, "dtype": str(dtype),
+                        "kernel": label, "dtype": str(dtype),
                         "loads": "tma" if tma else "ptr", "options": name,
                         "block_h": tile.for_dtype(dtype).block_h,
                         "shared": shared_bytes(kernel, tile, dtype, tma, options),

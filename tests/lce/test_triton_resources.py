@@ -34,11 +34,11 @@ def compiled_sizes() -> list[dict]:
 def test_every_kernel_dtype_and_load_path_compiles(compiled_sizes):
     tiled = [r for r in compiled_sizes if r["loads"] != "rows"]
     combos = {(r["kernel"], r["dtype"], r["loads"]) for r in tiled}
-    assert len(combos) == 2 * 3 * 2
+    assert len(combos) == 3 * 3 * 2  # forward, d_logits and d_logits' capped tile
     # The logit options on (bias, softcap, label smoothing) and off: the two tiled kernels (TMA
-    # loads), the merge and the two row kernels.
+    # loads), the capped tile (both load paths), the merge and the two row kernels.
     on = {(r["kernel"], r["loads"]) for r in compiled_sizes if r["options"] == "options"}
-    assert len(on) == 2 + 3
+    assert len(on) == 2 + 2 + 3
     rows_off = {
         r["kernel"] for r in compiled_sizes if (r["loads"], r["options"]) == ("rows", "plain")
     }

@@ -526,3 +526,35 @@ def test_backward_centres_lanes_as_the_forward_did(backend):
     # Exactly 0 in exact math; left: p's and the GEMM's roundings, a few 2^-24 of the gradient's
     # size (measured 2.2e-7 = 0.6 of 2^-24 * 6.6 on Triton; 3.4e-5 before the fix).
     assert along_offset <= 8 * 2.0**-24 * hidden.grad[:, 1:].abs().max().item(), along_offset
+
+
+def test_capped_backward_tile_changes_only_the_tile():
+    """A softcap runs the backward on `TritonConfig.backward_capped` (narrower: the cap's slope
+    needs registers of its own); each d_logits element is the same dot over H in the same
+    block_h steps whatever the tile's width, so the grads are the plain tile's, bit for bit in
+    the interpreter (on a GPU, within the dots' accumulation order)."""
+    hidden, weight, targets = make_case(37, 80, 300, 0, torch.bfloat16, seed=21)
+    upstream = strided_upstream(targets, seed=22, expanded_entropy=False)
+    options = LogitOptions(softcap=2.0, temperature=0.8)
+    rows = reference_rows(hidden, weight, targets, 0, 0.8, upstream)
+    narrow = TileShape(block_t=32, block_v=32, block_h=32, group=2, num_warps=4, num_stages=2)
+    grads = [
+        TritonStages(small_config(**changes)).backward_grads(
+            hidden, weight, None, targets, 0, options, rows, Wanted(True, True)
+        )
+        for changes in ({}, {"backward_capped": narrow})
+    ]
+    tol = 0.0 if DEVICE == "cpu" else accumulation_tol(hidden, weight, 1.0)
+    assert grads[0].hidden.abs().amax() > 0 and grads[0].weight.abs().amax() > 0
+    for name in ("hidden", "weight"):
+        wide, capped = getattr(grads[0], name), getattr(grads[1], name)
+        torch.testing.assert_close(capped.float(), wide.float(), atol=tol, rtol=0)
+
+
+def test_capped_backward_tile_must_divide_the_chunk_tile():
+    """The chunks are sized in the plain tile's columns; a capped tile that does not divide
+    them is refused by name."""
+    wide = TileShape(block_t=32, block_v=64, block_h=32)
+    with pytest.raises(ValueError, match=r"backward_capped\.block_v"):
+        TritonConfig(forward=wide, backward=wide, backward_capped=TileShape(32, 128, 32))
+    assert TritonConfig(forward=wide, backward=wide).backward_tile(softcap=True) is wide

@@ -147,7 +147,7 @@ def dlogits_chunk(
     ``softmax_coef`` and ``grad_entropy`` (any stride); ``targets`` int64 contiguous.
     """
     num_tokens, chunk = hidden.shape[0], weight_chunk.shape[0]
-    tiles = config.backward.for_dtype(weight_chunk.dtype)
+    tiles = config.backward_tile(logit.softcap is not None).for_dtype(weight_chunk.dtype)
     grid = (triton.cdiv(num_tokens, tiles.block_t) * triton.cdiv(chunk, tiles.block_v),)
     _dlogits_kernel[grid](
         bias_ptr=bias_chunk, targets_ptr=targets, max_ptr=rows.max,

@@ -81,6 +81,10 @@ class TritonConfig:
     backward took 86.7 / 80.5 ms at 128 MiB / 1 GiB for qwen2.5-16k (49 / 27 chunks), 48.0 / 46.7
     ms for gemma2-8k, 38.5 / 38.9 ms for llama3-8k, same peak (benchmarks/kernel_gpu.py's
     breakdown).
+    ``backward_capped``: the backward's tile when the logits are softcapped, or None for
+    ``backward``. The cap's slope is a second fp32 value per lane that lives through the
+    epilogue; at 128 x 256 it spilled 242 registers (H100, gemma2-8k). Its ``block_v`` divides
+    ``backward``'s, which sizes the chunks.
     ``fp32_precision``: ``tl.dot`` mode for fp32 inputs; ``ieee`` (default) matches an fp32
     reference, ``tf32`` is faster and ~3e-4 relative. Low-precision inputs ignore it; the
     backward's cuBLAS GEMMs follow ``torch.backends.cuda.matmul.allow_tf32`` instead.
@@ -99,6 +103,7 @@ class TritonConfig:
 
     forward: TileShape
     backward: TileShape
+    backward_capped: TileShape | None = None
     tiles_per_program: int = 8
     chunk_bytes: int = 128 << 20
     tail_chunk_bytes: int = 16 << 20
@@ -119,6 +124,18 @@ class TritonConfig:
         for name in ("chunk_bytes", "tail_chunk_bytes", "aliased_chunk_bytes", "loss_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        capped = self.backward_capped
+        if capped is not None and self.backward.block_v % capped.block_v:
+            raise ValueError(
+                f"backward_capped.block_v ({capped.block_v}) must divide backward.block_v "
+                f"({self.backward.block_v}), which sizes the backward's chunks"
+            )
+
+    def backward_tile(self, softcap: bool) -> TileShape:
+        """The backward's tile for logits with or without a softcap."""
+        if softcap and self.backward_capped is not None:
+            return self.backward_capped
+        return self.backward
 
 
 # The interpreter pays ~10 ms per program step whatever the block size: few, large tiles.
@@ -142,6 +159,11 @@ GPU_CONFIG = TritonConfig(
     # 2026-11-22 H200 sweep) at llama3-8k, same bits.
     backward=TileShape(
         block_t=128, block_v=256, block_h=64, group=16, num_warps=8, num_stages=3, block_h_fp32=32
+    ),
+    # Half as wide: no spills (254 registers); softcap 30 at gemma2-8k on an H100, mean loss
+    # fwd+bwd 72.7 vs 88.0 ms with the 128 x 256 tile (docs/BENCHMARKS.md).
+    backward_capped=TileShape(
+        block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=4, block_h_fp32=32
     ),
     tiles_per_program=1,
 )

@@ -84,8 +84,10 @@ def main() -> None:
         for dtype in TRITON_TYPES:
             for tma in (True, False):
                 for name, options in switches.items():
-                    if options and tile is not GPU_CONFIG.backward_capped and (
-                        dtype != torch.bfloat16 or not tma
+                    if (
+                        options
+                        and tile is not GPU_CONFIG.backward_capped
+                        and (dtype != torch.bfloat16 or not tma)
                     ):
                         continue
                     rows.append({

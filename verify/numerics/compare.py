@@ -241,6 +241,8 @@ def statistical_tier(
     ``rho`` where B's exceeds 1 (a case whose single rounding the model underrates, B shows it
     too). tolerances.yaml (``statistical``) derives each number."""
     tol = model.tolerance
+    if model.span.shape[1] >= kernel.shape[1]:
+        return None  # the span is every direction of a row: no component lies outside it
     sizes = [kernel.abs(), ref.abs()] + ([base.abs()] if base is not None else [])
     variance = ulp(torch.stack(sizes).amax(0), dtype).pow(2) / 12
     exact = torch.stack(sizes).amax(0) == 0  # zeros everywhere: nothing was rounded

@@ -163,7 +163,9 @@ def torch_adapter() -> Adapter:
 
     return flat_loss_adapter(
         "torch", loss_2d, contract=NumericalContract(logits="input", outputs="input"),
-        capabilities=Capabilities(options=("bias", "label_smoothing")),
+        # A PyTorch function, traced by Dynamo like any: the compiled property holds it to its
+        # eager run (passed on the CPU with aot_eager, torch 2.13).
+        capabilities=Capabilities(options=("bias", "label_smoothing"), compiles=("torch",)),
         description="torch.nn.functional.linear_cross_entropy (options=None)",
         skip=(("torch_peer", "the torch peer is this implementation: it would judge itself"),),
     )  # fmt: skip

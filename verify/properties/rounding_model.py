@@ -16,9 +16,9 @@ from functools import lru_cache
 
 import torch
 
-from verify.cases.spec import CaseSpec
+from verify.cases.spec import DTYPES, CaseSpec
 from verify.numerics.compare import NOISE_DTYPES, RoundingModel, row_span, ulp
-from verify.numerics.tolerances import Statistical
+from verify.numerics.tolerances import Statistical, load
 from verify.properties.oracle import oracle
 
 # Unit roundoff of the accumulation of 16-bit GEMMs (fp32), doubled: a GPU's tensor cores may
@@ -51,6 +51,33 @@ def rounding_model(
         extra = _partial_variance(spec, output.removesuffix("grad_hidden"), dtype)
     span = _spans(spec)[1 if weight_grad else 0]
     return RoundingModel(span, accumulation, extra, tolerance)
+
+
+# The gradients each grads choice asks for (`verify.cases.rank_inputs`), and their outputs.
+_GRADIENTS = {"both": ("hidden", "weight"), "twice": ("hidden", "weight"),
+              "hidden": ("hidden",), "weight": ("weight",), "none": ()}  # fmt: skip
+
+
+def expected_dof(spec: CaseSpec) -> int:
+    """The degrees of freedom the statistical tier is expected to judge on valid ``spec``'s
+    16-bit gradients, summed over the outputs that reach ``min_dof`` (0: it judges none). Per
+    output: its rows (the valid tokens for grad_hidden, the vocabulary for grad_weight) times the
+    components outside its span; an estimate before any run (elements the accumulation's share
+    leaves out, rows that are zero, are not subtracted), which `verify.running.pairwise` orders
+    its rows by."""
+    tolerance = load().statistical
+    if tolerance is None or spec.fault != "none" or spec.tokens == 0:
+        return 0
+    valid = int(oracle(spec).valid.sum())
+    total = 0
+    for leaf in _GRADIENTS[spec.grads] if valid else ():
+        dtype = DTYPES[spec.hidden_dtype if leaf == "hidden" else spec.weight_dtype]
+        rows = valid if leaf == "hidden" else spec.vocab
+        for output in (f"grad_{leaf}", f"loss_grad_{leaf}"):
+            model = rounding_model(spec, output, dtype, tolerance)
+            dof = 0 if model is None else rows * (spec.hidden_size - model.span.shape[1])
+            total += dof if dof >= tolerance.min_dof else 0
+    return total
 
 
 @lru_cache(maxsize=16)

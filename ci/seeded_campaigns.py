@@ -2,15 +2,16 @@
 
     python ci/seeded_campaigns.py --seeds 1-20 --jobs 16 --out DIR [ARGS for verify run]
 
-Each seed runs ``python -m verify run --profile ci --device cpu --seed S --out DIR/seed-S`` (both
-backends, the Triton one in its interpreter, TP 1/2/4, as the main job does), with the arguments
-this script does not know passed on (e.g. ``--budget-s 120 --backends torch``). Campaigns share
-no scratch path: each has its own report folder, temporary directory (the worker pools'
-FileStores, the fork server's socket), Triton and Inductor caches, and its own share of the CPU
-cores (``--jobs`` campaigns at a time split the cores this process may use; each campaign's
-worker pools size their threads to its share). Prints a Markdown table (seed, verdict, examples,
-failures, pairs reached per slice, wall seconds) and writes it with the same rows as
-``DIR/summary.md`` and ``DIR/summary.json``; exits 1 if any campaign did not pass.
+Each seed runs ``python -m verify run --profile ci --device cpu --seed S --out DIR/seed-S/report``
+(both backends, the Triton one in its interpreter, TP 1/2/4, as the main job does), with the
+arguments this script does not know passed on (e.g. ``--budget-s 120 --backends torch``).
+Campaigns share no scratch path: each has its own report folder, temporary directory (the worker
+pools' FileStores, the fork server's socket), Triton home and cache, Inductor cache and
+Hypothesis storage directory; and no core: ``--jobs`` campaigns at a time split the cores this
+process may use, and each campaign's worker pools size their threads to its share. Prints a
+Markdown table (seed, verdict, examples, failures, examples and pairs reached per slice, wall
+seconds) and writes it as ``DIR/summary.md``, the rows as ``DIR/summary.json``; exits 1 if any
+campaign did not pass.
 """
 
 from __future__ import annotations
@@ -68,15 +69,18 @@ def command(seed: int, out: Path, extra: list[str]) -> list[str]:
 
 def environment(folder: Path, cores: set[int]) -> dict[str, str]:
     """The campaign's own scratch paths and thread count."""
-    scratch = {name: folder / name for name in ("tmp", "triton-cache", "inductor-cache")}
+    names = ("tmp", "triton", "triton-cache", "inductor-cache", "hypothesis")
+    scratch = {name: folder / name for name in names}
     for path in scratch.values():
         path.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("TRITON_INTERPRET", "1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["TMPDIR"] = str(scratch["tmp"])
+    env["TRITON_HOME"] = str(scratch["triton"])
     env["TRITON_CACHE_DIR"] = str(scratch["triton-cache"])
     env["TORCHINDUCTOR_CACHE_DIR"] = str(scratch["inductor-cache"])
+    env["HYPOTHESIS_STORAGE_DIRECTORY"] = str(scratch["hypothesis"])
     if cores:
         env["OMP_NUM_THREADS"] = str(len(cores))
     return env

@@ -34,7 +34,9 @@ def test_parallel_campaigns_share_no_scratch_path_and_no_core(tmp_path) -> None:
         assert sets[0] and sets[1] and not sets[0] & sets[1]
     first = seeded.environment(tmp_path / "seed-1", sets[0])
     second = seeded.environment(tmp_path / "seed-2", sets[1])
-    for name in ("TMPDIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+    scratch = ("TMPDIR", "TRITON_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+               "HYPOTHESIS_STORAGE_DIRECTORY")  # fmt: skip
+    for name in scratch:
         assert first[name] != second[name] and Path(first[name]).is_dir()
     argv = seeded.command(3, tmp_path / "seed-3" / "report", ["--budget-s", "60"])
     assert argv[argv.index("--seed") + 1] == "3" and argv[-2:] == ["--budget-s", "60"]

@@ -11,6 +11,7 @@ from verify.adapters.registry import resolve
 from verify.cases import coverage
 from verify.cases.strategies import landmark_specs
 from verify.properties.catalog import PROPERTIES, get
+from verify.properties.rounding_model import expected_dof
 from verify.results.coverage_report import CoverageTally, to_json, universe
 from verify.running.pairwise import NOT_CLAIMED, judged, plan_slice
 
@@ -69,3 +70,15 @@ def test_report_names_each_pair_not_reached_with_its_reason() -> None:
         assert 0 < prop["reached"] < prop["supported"]
         assert len(prop["not_reached"]) == prop["supported"] - prop["reached"]
         assert all(m["reason"].startswith(reason) for m in prop["not_reached"])
+
+
+def test_rows_the_statistical_tier_judges_come_first_within_each_size() -> None:
+    """Simplest sizes first (T = 0, T = 1, then several tokens); within each, the rows on which
+    the statistical tier judges most degrees of freedom first (one extra rounding of a gradient
+    shows nowhere else), so the first row of each non-empty size is one it judges."""
+    plan = plan_slice(resolve("lce-torch"), "torch", 1, VALID)
+    keys = [(min(spec.tokens, 2), -expected_dof(spec)) for spec in plan.rows]
+    assert keys == sorted(keys)
+    for size in (1, 2):
+        first = next(spec for spec in plan.rows if min(spec.tokens, 2) == size)
+        assert expected_dof(first) > 0, first

@@ -5,10 +5,13 @@ clean lce on the same cases passes it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from verify.cases.spec import CaseSpec
 from verify.execution.mutants import applied
+from verify.properties.rounding_model import expected_dof
 from verify.running.engine import check_case
 
 # H = 64 and 6 tokens: ~300 degrees of freedom on grad_hidden and ~750 on grad_weight, above the
@@ -40,3 +43,18 @@ def test_the_tier_fails_a_double_rounded_gradient_and_passes_clean_lce(seed: int
         assert verdict.failed and verdict.tier == "statistical", verdict.line()
     # the per-token outputs the mutant does not touch pass with it
     assert not doubled["grad_hidden"].failed and not doubled["grad_weight"].failed
+
+
+def test_expected_dof_estimates_what_the_tier_judges() -> None:
+    """The planner's estimate (`expected_dof`) is the tier's own count but for the elements the
+    accumulation's share leaves out: within 10% of it from above; 0 where the tier judges
+    nothing (fp32 gradients, an empty batch), and a tied weight's gradient left out."""
+    verdicts = _statistical(check_case(SPEC, properties=["differential"]))
+    judged = [v for v in verdicts.values() if "statistical:" in v.detail]
+    dofs = [float(re.search(r"rounding noise, (\d+) dof", v.detail)[1]) for v in judged]
+    assert len(dofs) == 4, [v.line() for v in verdicts.values()]
+    assert sum(dofs) <= expected_dof(SPEC) <= 1.1 * sum(dofs), (dofs, expected_dof(SPEC))
+    assert expected_dof(SPEC.with_(hidden_dtype="fp32", weight_dtype="fp32")) == 0
+    assert expected_dof(SPEC.with_(tokens=0)) == 0
+    hidden_only = 2 * 6 * (64 - 13)  # grad_hidden and loss_grad_hidden: 6 rows, 13 in the span
+    assert expected_dof(SPEC.with_(tied=True)) == hidden_only

@@ -51,7 +51,7 @@ class WorkerPool:
         self.timeout_s = _positive("timeout_s", timeout_s)
         self.start_timeout_s = _positive("start_timeout_s", start_timeout_s)
         self.grace_s = _positive("grace_s", grace_s)
-        cores = os.cpu_count() or 1
+        cores = _usable_cores()
         self.threads_per_worker = threads_per_worker or max(1, cores // self.world_size)
         self.preload = tuple(preload)
         self.starts = 0  # how many times the workers were (re)built
@@ -221,3 +221,11 @@ def _positive(name: str, value: float) -> float:
     if not value > 0:
         raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
     return float(value)
+
+
+def _usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: campaigns run side by side each on
+    their own cores, `ci/seeded_campaigns.py`), else all of the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1

@@ -111,7 +111,7 @@ class Oracle:
 
     @property
     def tied(self) -> bool:
-        return self.spec.tied and self.spec.transform != "untie"
+        return tied(self.spec)
 
     def tied_share(self, per_hidden: torch.Tensor, per_weight: torch.Tensor) -> torch.Tensor:
         """``per_weight`` plus, for a tied weight, ``TIE_SCALE`` times ``per_hidden`` scattered
@@ -248,6 +248,11 @@ class Oracle:
 
 _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lce-oracle")
 _ahead: dict[CaseSpec, Future[Oracle]] = {}  # the latest `compute_ahead`, until it is read
+
+
+def tied(spec: CaseSpec) -> bool:
+    """The head's weight is also its embedding (hidden depends on it) in ``spec``'s problem."""
+    return spec.tied and spec.transform != "untie"
 
 
 def oracle(spec: CaseSpec) -> Oracle:

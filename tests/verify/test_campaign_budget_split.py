@@ -1,0 +1,62 @@
+"""The campaign's budget split (`verify.running.campaign`): every slice, the Triton
+interpreter's too, gets an equal share of the time left, its planned examples stop at that share
+(the torch slices' covering rows once took all but 15 s a later slice of 300 s, leaving the
+interpreter's slices 1-2 examples), and time a slice leaves over flows to the later ones."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from verify.running import campaign
+
+SLICES = tuple((backend, tp) for backend in ("torch", "triton") for tp in (1, 2, 4))
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("early", [None, 1])
+def test_each_slice_gets_an_equal_share_of_the_time_left(monkeypatch, early) -> None:
+    """Each slice would run forever (planned examples more than the budget), but the one at
+    index ``early``, which ends after 10 s."""
+    clock = _Clock()
+    monkeypatch.setattr(campaign, "time", SimpleNamespace(monotonic=clock.monotonic))
+    seen: list[tuple[str, int, float, float]] = []
+
+    def run_slice(self, with_status: bool) -> None:
+        search = self.search
+        began = clock.now
+        end = clock.now + 10.0 if len(seen) == early else search.deadlines[0]
+        clock.now = end
+        seen.append((search.backend, search.tp, search.deadlines[0] - began,
+                     search.explicit_until - began))  # fmt: skip
+        self.tally.slices.append({"backend": search.backend, "tp": search.tp})
+
+    monkeypatch.setattr(campaign._SliceRuns, "_run_slice", run_slice)
+    monkeypatch.setattr(
+        campaign._SliceRuns,
+        "_slice",
+        lambda self, backend, tp: SimpleNamespace(backend=backend, tp=tp),
+    )
+    config = SimpleNamespace(on_gpu=False)
+    chosen = SimpleNamespace(slices=SLICES, adapter=SimpleNamespace(label=str))
+    tally = SimpleNamespace(slices=[])
+    progress = SimpleNamespace(start_slice=lambda *args: None)
+    runs = campaign._SliceRuns(config, chosen, tally, progress, None, clock.now + 300.0)
+    runs.run_all()
+    assert [(b, t) for b, t, _, _ in seen] == list(SLICES)
+    shares = [share for _, _, share, _ in seen]
+    planned = [until for _, _, _, until in seen]
+    assert planned == shares  # planned examples stop at the slice's share
+    if early is None:
+        assert shares == pytest.approx([50.0] * 6)
+    else:  # the 40 s slice 1 left over flow to the four after it
+        assert shares[:2] == pytest.approx([50.0, 50.0])
+        assert shares[2:] == pytest.approx([60.0] * 4)

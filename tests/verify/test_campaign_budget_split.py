@@ -60,3 +60,15 @@ def test_each_slice_gets_an_equal_share_of_the_time_left(monkeypatch, early) -> 
     else:  # the 40 s slice 1 left over flow to the four after it
         assert shares[:2] == pytest.approx([50.0, 50.0])
         assert shares[2:] == pytest.approx([60.0] * 4)
+
+
+def test_a_gpu_campaign_plans_the_triton_slices(monkeypatch) -> None:
+    """Which backends run is asked for the campaign's device: asked for the CPU alone, the GPU
+    nightly (no TRITON_INTERPRET there) planned torch slices only and never ran the compiled
+    kernel through its campaign (found on an H100, 2026-11-25)."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    config = SimpleNamespace(impl="lce", backends=("triton", "torch"), tp_sizes=(1,),
+                             properties=None, device="cuda")  # fmt: skip
+    assert {b for b, _ in campaign.plan(config).slices} == {"torch", "triton"}
+    assert "triton" not in campaign.available_backends("cpu")

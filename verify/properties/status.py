@@ -24,12 +24,13 @@ NAMED_ARGUMENT = {
 }
 
 
-def available_backends() -> tuple[str, ...]:
-    """Backends runnable here (triton needs CUDA, or TRITON_INTERPRET=1 on the CPU)."""
+def available_backends(device: str = "cpu") -> tuple[str, ...]:
+    """Backends runnable here on ``device`` tensors (triton: CUDA, or TRITON_INTERPRET=1 on the
+    CPU). Asked for the CPU alone, a GPU campaign dropped Triton from its plan without a word."""
     usable = []
     for backend in BACKENDS:
         try:
-            resolve_backend_name(backend, torch.device("cpu"))
+            resolve_backend_name(backend, torch.device(device))
         except ValueError:
             continue
         usable.append(backend)
@@ -39,7 +40,9 @@ def available_backends() -> tuple[str, ...]:
 def status_agreement(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """Every backend of the implementation refuses the spec's fault with one error type naming
     the argument."""
-    backends = [b for b in runner.adapter.capabilities.backends if b in available_backends()]
+    device = getattr(runner.pool, "device", "cpu")  # where the runs go (no pool: this CPU)
+    here = available_backends(str(device))
+    backends = [b for b in runner.adapter.capabilities.backends if b in here]
     runs = {b: runner.run(spec.with_(backend=b)) for b in backends}
     verdicts = []
     for backend, run in runs.items():

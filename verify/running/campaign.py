@@ -63,7 +63,7 @@ def plan(config: CampaignConfig) -> Plan:
             f"{adapter.name}: workers find an implementation by its ref; pass a built-in name or "
             "'module:function' as impl, not an Adapter object"
         )
-    runnable = [b for b in adapter.capabilities.backends if b in available_backends()]
+    runnable = [b for b in adapter.capabilities.backends if b in available_backends(config.device)]
     backends = [b for b in runnable if not config.backends or b in config.backends]
     if not backends:
         raise ValueError(

@@ -31,7 +31,7 @@ from verify.adapters.interface import (
     Limits,
     NumericalContract,
 )
-from verify.cases.spec import BACKENDS, LOSS_OPTIONS, LOSS_PATHS, OPTION_FIELDS
+from verify.cases.spec import BACKENDS, DTENSOR_LAYOUTS, LOSS_OPTIONS, LOSS_PATHS, OPTION_FIELDS
 
 # What lce raises on an input it refuses; any other exception is a bug (it propagates).
 LCE_REFUSALS = (ValueError, TypeError, IndexError, RuntimeError)
@@ -125,6 +125,7 @@ def lce_adapter(backends: tuple[str, ...] = BACKENDS) -> Adapter:
         options=OPTION_FIELDS, tensor_parallel=True, chunk_size=True, backends=backends,
         deterministic=True, validates_inputs=True, loss_paths=LOSS_PATHS,
         double_backward=("torch",), compiles=backends, graph_capture=backends,
+        dtensor_weights=DTENSOR_LAYOUTS[1:],
     )  # fmt: skip
     name = "lce" if len(backends) > 1 else f"lce-{backends[0]}"
     return Adapter(

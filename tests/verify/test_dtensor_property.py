@@ -1,6 +1,6 @@
 """DTensor weights in the harness: `CaseSpec.dtensor` cases built as DTensor leaves on a mesh over
 the pool's gloo TP group (TP 1/2/4), the dtensor property (bit for bit against the plain tensors
-the layout implies, gradients a DTensor of the leaf's placement), and an
+the layout implies, gradients a DTensor of the leaf's placement), its two planted bugs, and an
 implementation that does not claim DTensor weights getting them listed as not claimed."""
 
 from __future__ import annotations
@@ -60,6 +60,23 @@ def test_a_search_drawing_dtensor_weights_passes(pool):
     specs = case_specs(tp_sizes=(1, 2, 4), pairs=SELFTEST_PAIRS, dtensors=DTENSOR_LAYOUTS)
     result = run_property(names, strategy=specs, runner=Runner(pool), max_examples=12)
     assert result.passed and result.examples > 0, [v.line() for v in result.failure]
+
+
+@pytest.mark.parametrize(
+    ("mutant", "spec", "caught"),
+    [
+        ("dtensor_grad_partial", SPECS[0], {("dtensor", "grad_placement")}),
+        ("dtensor_grad_plain", SPECS[3], {("dtensor", "grad_placement")}),
+        ("dtensor_replicate_as_shard", SPECS[2], {("differential", "logprobs")}),
+    ],
+)
+def test_planted_dtensor_bugs_fail(pool, mutant, spec, caught):
+    """A Partial or plain gradient keeps every value right (only its layout is wrong; autograd
+    takes a plain one where the shapes agree, at TP = 1); a replicated head run vocab-parallel
+    counts the vocabulary once per rank."""
+    failed = {(v.property, v.output) for v in check_case(spec, runner=Runner(pool, mutant))}
+    failed = {pair for pair in failed if pair in caught or pair[0] == "dtensor"}
+    assert caught <= failed, failed
 
 
 def test_an_implementation_not_claiming_them_gets_them_listed():

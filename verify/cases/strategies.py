@@ -256,10 +256,13 @@ def landmark_specs(
             reduction="sum",
         ),
         base.with_(temperature=0.7, bias=0.5, z_loss=1e-2, label_smoothing=0.5, chunk_size=2),
+        # a DTensor head (plain tensors for an implementation that does not claim one)
+        base.with_(dtensor="shard0", bias=0.5, layout="sliced"),
     ]
     for tp in (t for t in tp_sizes if t > 1):
         specs.append(base.with_(tp=tp, vocab=4 * tp + 1, target="edges", ignore="first"))
         specs.append(base.with_(tp=tp, vocab=8 * tp, target="high", reduce_hidden=False))
+        specs.append(base.with_(tp=tp, vocab=4 * tp + 1, dtensor="replicate", ignore="random"))
         # the shards' lse and smoothing sums merged across ranks, the bias sharded with the rows
         specs.append(
             base.with_(

@@ -4,6 +4,7 @@ that claims neither gets both listed as not tested, and graph_replay adds nothin
 
 from __future__ import annotations
 
+import copy
 import json
 import shlex
 
@@ -14,7 +15,7 @@ import lce.ops
 from verify.adapters.registry import from_loss_fn, resolve
 from verify.cases.spec import CaseSpec
 from verify.cli import EXIT_PASS, main
-from verify.execution.execute import LocalRank
+from verify.execution.execute import LocalRank, execute
 from verify.properties import compiled
 from verify.properties.catalog import applicable
 from verify.properties.graph_replay import check_replay
@@ -100,3 +101,18 @@ def test_the_ci_campaign_runs_compiled_on_the_torch_backend(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     counts = [c for c in report["counts"] if c["property"] == "compiled"]
     assert counts and report["passed"] and report["examples"] >= 2
+
+
+def test_the_lce_adapter_calls_lce_without_a_deepcopy(monkeypatch):
+    """The compiled property traces the adapter's callables with fullgraph: Dynamo before torch
+    2.13 cannot trace ``copy.deepcopy`` (which ``dataclasses.asdict`` makes of every value), so
+    the adapter's options read through asdict failed every compiled case on the GPU image's
+    torch 2.11 (the ci campaign test there)."""
+
+    def refuse(value, memo=None):
+        raise AssertionError(f"copy.deepcopy({value!r}) on the adapter's call path")
+
+    monkeypatch.setattr(copy, "deepcopy", refuse)
+    spec = SPECS[0]
+    result = execute(spec, LocalRank(torch.device("cpu")), resolve("lce-torch"))
+    assert result["status"] == "ok" and {"logprobs", "loss"} <= set(result)

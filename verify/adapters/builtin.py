@@ -12,7 +12,7 @@ import importlib
 import inspect
 import os
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import fields, replace
 from functools import partial
 from typing import Any
 
@@ -31,7 +31,7 @@ from verify.adapters.interface import (
     Limits,
     NumericalContract,
 )
-from verify.cases.spec import BACKENDS, LOSS_OPTIONS, LOSS_PATHS, OPTION_FIELDS
+from verify.cases.spec import BACKENDS, DTENSOR_LAYOUTS, LOSS_OPTIONS, LOSS_PATHS, OPTION_FIELDS
 
 # What lce raises on an input it refuses; any other exception is a bug (it propagates).
 LCE_REFUSALS = (ValueError, TypeError, IndexError, RuntimeError)
@@ -106,9 +106,14 @@ class _MainGradView(torch.autograd.Function):
 
 
 def _lce_kwargs(call: Call) -> dict:
-    """lce's keyword arguments of ``call``: every field of its options record, and the bias."""
+    """lce's keyword arguments of ``call``: every field of its options record, and the bias.
+
+    The record's fields are read one by one, not with ``dataclasses.asdict``: the compiled
+    property traces this under ``torch.compile(fullgraph=True)``, and asdict's ``copy.deepcopy``
+    of each value is a graph break Dynamo before torch 2.13 does not trace."""
+    options = {f.name: getattr(call.options, f.name) for f in fields(call.options)}
     return {
-        **asdict(call.options), "bias": call.bias, "ignore_index": call.ignore_index,
+        **options, "bias": call.bias, "ignore_index": call.ignore_index,
         "tp_group": call.tp_group, "vocab_start": call.vocab_start, "backend": call.backend,
         "chunk_size": call.chunk_size, "reduce_grad_hidden": call.reduce_grad_hidden,
     }  # fmt: skip
@@ -120,6 +125,7 @@ def lce_adapter(backends: tuple[str, ...] = BACKENDS) -> Adapter:
         options=OPTION_FIELDS, tensor_parallel=True, chunk_size=True, backends=backends,
         deterministic=True, validates_inputs=True, loss_paths=LOSS_PATHS,
         double_backward=("torch",), compiles=backends, graph_capture=backends,
+        dtensor_weights=DTENSOR_LAYOUTS[1:],
     )  # fmt: skip
     name = "lce" if len(backends) > 1 else f"lce-{backends[0]}"
     return Adapter(

@@ -14,6 +14,7 @@ from typing import Any
 
 from verify.adapters.interface import Adapter
 from verify.cases.spec import (
+    DTENSOR_LAYOUTS,
     DTYPE_PAIRS,
     FAULT_OPTIONS,
     OPTION_DEFAULTS,
@@ -94,6 +95,16 @@ def _dtype_pair(spec: CaseSpec, adapter: Adapter) -> dict[str, Any]:
     return dict(zip(("hidden_dtype", "weight_dtype"), claimed[0], strict=True))
 
 
+def _dtensor(spec: CaseSpec, adapter: Adapter) -> dict[str, Any]:
+    """A layout the adapter does not take becomes plain tensors."""
+    taken = ("none", *adapter.capabilities.dtensor_weights)
+    return {} if spec.dtensor in taken else {"dtensor": "none"}
+
+
+def _missing_dtensor_layouts(adapter: Adapter) -> list[str]:
+    return [d for d in DTENSOR_LAYOUTS[1:] if d not in adapter.capabilities.dtensor_weights]
+
+
 def _missing_reductions(adapter: Adapter) -> list[str]:
     return [r for r in REDUCTIONS if r not in adapter.capabilities.reductions]
 
@@ -125,6 +136,7 @@ FEATURES: tuple[Feature, ...] = (
             _always({"upstream": "logprob_only"})),
     Feature("reductions", lambda a: not _missing_reductions(a), _reduction),
     Feature("dtype pairs", lambda a: not _missing_pairs(a), _dtype_pair),
+    Feature("DTensor weights", lambda a: not _missing_dtensor_layouts(a), _dtensor),
 )  # fmt: skip
 
 
@@ -151,6 +163,8 @@ def unclaimed(adapter: Adapter, tp_sizes: tuple[int, ...]) -> list[Untested]:
             what = f"reductions {_missing_reductions(adapter)}"
         elif feature.what == "dtype pairs":
             what = f"dtype pairs {_missing_pairs(adapter)}"
+        elif feature.what == "DTensor weights":
+            what = f"DTensor weights {_missing_dtensor_layouts(adapter)}"
         gaps.append(Untested(what, reason))
     gaps += [
         Untested(what, "outside the declared limits")

@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 
 from lce.options import LogitOptions
-from verify.cases.spec import BACKENDS, DTYPE_PAIRS, OPTION_FIELDS, REDUCTIONS, CaseSpec
+from verify.cases.spec import (
+    BACKENDS,
+    DTENSOR_LAYOUTS,
+    DTYPE_PAIRS,
+    OPTION_FIELDS,
+    REDUCTIONS,
+    CaseSpec,
+)
 from verify.numerics.reference import IGNORE_INDEX
 
 OUTPUTS = ("logprobs", "entropy", "loss")
@@ -43,8 +50,12 @@ class Call:
     softcap, z-loss, label smoothing; the logits are ``cap * tanh(s * (h @ W.T + b) / cap) /
     T``); only those the implementation claims (`Capabilities.options`) are ever set.
     ``tp_group``/``vocab_start``: vocab parallelism (None without TP; ``vocab_start`` None means
-    ``rank * V_local``); ``reduce_grad_hidden`` False asks for this rank's partial grad_hidden
-    (the harness sums the ranks', like a reduce-scatter). ``backend``/``chunk_size``: the spec's
+    ``rank * V_local``). For an implementation that claims DTensor weights
+    (`Capabilities.dtensor_weights`) ``weight`` and ``bias`` may be DTensors on a 1-D mesh of the
+    TP group, Shard(0) (this rank's rows, split like ``torch.chunk``) or Replicate (the whole
+    head): then ``tp_group`` and ``vocab_start`` are None (the mesh says both).
+    ``reduce_grad_hidden`` False asks for this rank's partial grad_hidden (the harness sums the
+    ranks', like a reduce-scatter). ``backend``/``chunk_size``: the spec's
     values, for implementations that claim them (`Capabilities.backends`, ``chunk_size``).
     ``loss_path``: which of lce's scalar-loss paths (`verify.cases.spec.LOSS_PATHS`); other
     implementations have one and ignore it.
@@ -176,8 +187,13 @@ class Capabilities:
     its callables work under ``torch.compile(fullgraph=True)`` (no graph break) and give what
     they give in eager (the compiled property). ``graph_capture``: the backends on which one
     forward and backward can be captured in a CUDA graph and replayed with new inputs copied in,
-    giving eager's results bit for bit (the graph_replay property, on CUDA). ``limits``: the
-    sizes it accepts (`Limits`).
+    giving eager's results bit for bit (the graph_replay property, on CUDA).
+    ``dtensor_weights``: the DTensor layouts of the weight (and bias) it takes, of ``shard0``
+    (vocab-parallel over the mesh's group) and ``replicate`` (local): each gives, bit for bit,
+    what the plain tensors it implies give (Shard(0): the local rows with the mesh's group and
+    the shard's offset as ``vocab_start``; Replicate: the whole weight without TP), and the
+    gradients come back as DTensors of the leaf's mesh and placements (the dtensor property).
+    ``limits``: the sizes it accepts (`Limits`).
     """
 
     reductions: tuple[str, ...] = REDUCTIONS
@@ -198,6 +214,7 @@ class Capabilities:
     double_backward: tuple[str, ...] | None = None
     compiles: tuple[str, ...] = ()
     graph_capture: tuple[str, ...] = ()
+    dtensor_weights: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -207,6 +224,7 @@ class Capabilities:
         _subset("double_backward", self.double_backward or (), BACKENDS)
         _subset("compiles", self.compiles, BACKENDS)
         _subset("graph_capture", self.graph_capture, BACKENDS)
+        _subset("dtensor_weights", self.dtensor_weights, DTENSOR_LAYOUTS[1:])
         _subset("dtype_pairs", self.dtype_pairs, DTYPE_PAIRS)
         if not self.reductions or not self.dtype_pairs or not self.backends:
             raise AdapterError("reductions, dtype_pairs and backends each need at least one value")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from verify.cases.spec import (
+    DTENSOR_LAYOUTS,
     DTYPE_PAIRS,
     GRADS,
     IGNORE_PATTERNS,
@@ -157,6 +158,7 @@ FEATURES: tuple[CoverageFeature, ...] = (
     _flag("chunking", "chunk_size", "default", "chunked", CHUNKED),
     CoverageFeature("grad_hidden", ("summed", "partial"),
                     lambda s: "summed" if s.reduce_hidden else "partial", _grad_hidden),
+    _field("dtensor", DTENSOR_LAYOUTS),
 )  # fmt: skip
 FEATURE_NAMES = tuple(f.name for f in FEATURES)
 _ORDER = {name: index for index, name in enumerate(FEATURE_NAMES)}

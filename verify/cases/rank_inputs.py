@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from lce.dtensor import is_dtensor
 from lce.options import LogitOptions
 from verify.cases.build import Problem, tied_hidden
 from verify.cases.layouts import with_layout
@@ -60,17 +61,22 @@ class RankInputs:
         return tied_hidden(flat, self.weight, self.embed_ids).view(self.hidden.shape)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """Copies of the inputs, to check afterwards that the implementation left them alone."""
+        """Copies of the inputs (a DTensor's local tensor), to check afterwards that the
+        implementation left them alone."""
         inputs = {**self.named_leaves(), "targets": self.targets}
-        return {k: t.detach().clone() for k, t in inputs.items()}
+        return {k: _local(t).detach().clone() for k, t in inputs.items()}
 
     def unchanged_since(self, snapshot: dict[str, torch.Tensor]) -> bool:
         """Every input still has the snapshot's values and dtype."""
         return all(
-            torch.equal(before, getattr(self, k).detach())
+            torch.equal(before, _local(getattr(self, k)).detach())
             and before.dtype == getattr(self, k).dtype
             for k, before in snapshot.items()
         )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def rank_inputs(spec: CaseSpec, problem: Problem, tp_rank: int) -> RankInputs:

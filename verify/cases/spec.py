@@ -50,6 +50,10 @@ BACKENDS = ("torch", "triton")
 # The scalar loss's paths in lce: 4 GEMMs, 3 GEMMs with an fp32 buffer of its own (fast=True), 3
 # GEMMs into a caller's main_grad (grad_weight_into; adapters report what main_grad gained).
 LOSS_PATHS = ("default", "fast", "main_grad")
+# How the implementation receives the weight (and bias): plain tensors (this rank's rows), a
+# DTensor sharded Shard(0) over a 1-D mesh of the TP group (its rows split like torch.chunk: see
+# `shard_bounds`), or a DTensor replicated on that mesh (the whole head on every rank).
+DTENSOR_LAYOUTS = ("none", "shard0", "replicate")
 # Invalid inputs for the status-agreement property; "none" is a valid case.
 FAULTS = (
     "none",
@@ -99,6 +103,7 @@ WRITTEN_WHEN_SET: dict[str, Any] = {
     "bias": 0.0,
     "z_loss": 0.0,
     "label_smoothing": 0.0,
+    "dtensor": "none",
 }
 # The model options of the logit map and the loss (`lce.LogitOptions`, the bias beside it), each
 # a spec field; `CaseSpec.logit_options` builds lce's record from them.
@@ -155,6 +160,7 @@ class CaseSpec:
     bias: float = 0.0
     z_loss: float = 0.0
     label_smoothing: float = 0.0
+    dtensor: str = "none"
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -194,6 +200,7 @@ class CaseSpec:
         if not math.isfinite(self.offset):
             raise SpecError(f"offset must be finite, got {self.offset}")
         _check_options(self)
+        _check_dtensor(self)
 
     @property
     def has_options(self) -> bool:
@@ -223,7 +230,10 @@ class CaseSpec:
         return (self.batch, self.tokens) if self.batch else (self.tokens,)
 
     def shard_bounds(self) -> list[tuple[int, int]]:
-        """``[start, stop)`` of each rank's vocab rows at ``tp``."""
+        """``[start, stop)`` of each rank's vocab rows at ``tp`` (a Shard(0) DTensor's:
+        torch.chunk's split)."""
+        if self.dtensor == "shard0":
+            return shard_bounds(self.vocab, self.tp, chunk_sizes(self.vocab, self.tp))
         return shard_bounds(self.vocab, self.tp, self.shards)
 
     @property
@@ -282,6 +292,13 @@ def shard_bounds(
     return bounds
 
 
+def chunk_sizes(vocab: int, tp: int) -> tuple[int, ...]:
+    """Each rank's rows under ``torch.chunk`` (DTensor's Shard(0)): ``ceil(vocab / tp)`` each
+    while rows last, so the last ranks may hold fewer, or none."""
+    step = -(-vocab // tp)
+    return tuple(min(step, max(vocab - rank * step, 0)) for rank in range(tp))
+
+
 _CHOICES = {
     "reduction": REDUCTIONS,
     "ignore": IGNORE_PATTERNS,
@@ -294,6 +311,7 @@ _CHOICES = {
     "fault": FAULTS,
     "transform": TRANSFORMS,
     "loss_path": LOSS_PATHS,
+    "dtensor": DTENSOR_LAYOUTS,
     "hidden_dtype": tuple(DTYPES),
     "weight_dtype": tuple(DTYPES),
 }
@@ -312,6 +330,27 @@ def _check_options(spec: CaseSpec) -> None:
             raise SpecError(f"{name} must be finite and >= 0, got {value}")
     if not 0.0 <= spec.label_smoothing <= 1.0:
         raise SpecError(f"label_smoothing must be in [0, 1], got {spec.label_smoothing}")
+
+
+def _check_dtensor(spec: CaseSpec) -> None:
+    """What a DTensor weight is modelled with: a plain untied head on valid inputs, the 4-GEMM or
+    ``fast`` loss, torch.chunk's rows, and a replicated head's grad_hidden already whole."""
+    if spec.dtensor == "none":
+        return
+    clashes = {
+        "explicit shards (a Shard(0) DTensor's rows are torch.chunk's)": spec.shards is not None,
+        "a tied embedding": spec.tied,
+        "loss_path main_grad (the harness's main_grad is a plain tensor)": (
+            spec.loss_path == "main_grad"
+        ),
+        "a fault (invalid inputs are drawn with plain weights)": spec.fault != "none",
+        "a partial grad_hidden (a replicated head's is whole on every rank)": (
+            spec.dtensor == "replicate" and not spec.reduce_hidden
+        ),
+    }
+    named = [what for what, clash in clashes.items() if clash]
+    if named:
+        raise SpecError(f"dtensor={spec.dtensor!r} is not modelled with {'; '.join(named)}")
 
 
 def _check_choices(spec: CaseSpec) -> None:

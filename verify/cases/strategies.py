@@ -121,9 +121,11 @@ def case_specs(
     pairs: tuple[tuple[str, str], ...] = DTYPE_PAIRS,
     max_tokens: int = 24,
     loss_paths: tuple[str, ...] = ("default",),
+    dtensors: tuple[str, ...] = ("none",),
 ) -> CaseSpec:
     """A valid case reaching the input classes of docs/DESIGN.md, at one of ``tp_sizes`` and
-    ``backends``, its loss computed by one of ``loss_paths`` (`verify.cases.spec.LOSS_PATHS`)."""
+    ``backends``, its loss computed by one of ``loss_paths`` (`verify.cases.spec.LOSS_PATHS`),
+    its weight given as one of ``dtensors`` (`verify.cases.spec.DTENSOR_LAYOUTS`)."""
     tp = draw(st.sampled_from(tp_sizes))
     backend = draw(st.sampled_from(backends))
     if backend == "triton":  # Triton refuses fp64 weights (its kernels compute in fp32)
@@ -161,7 +163,23 @@ def case_specs(
     paths = [p for p in loss_paths if p != "main_grad" or spec.grads != "twice"] or ["default"]
     # one path: no draw, so the default strategy's examples stay what they were
     path = paths[0] if len(paths) == 1 else draw(st.sampled_from(paths))
-    return spec.with_(loss_path=path, **draw(model_options(_logit_budget(spec))))
+    spec = spec.with_(loss_path=path, **draw(model_options(_logit_budget(spec))))
+    if tuple(dtensors) == ("none",):  # no draw: the plain strategy's examples stay the same
+        return spec
+    return _with_dtensor(spec, draw(st.sampled_from(dtensors)))
+
+
+def _with_dtensor(spec: CaseSpec, layout: str) -> CaseSpec:
+    """``spec`` with its weight as ``layout``, in what a DTensor case is modelled with
+    (`verify.cases.spec`): untied, torch.chunk's rows, no main_grad, a replicated head's
+    grad_hidden whole."""
+    if layout == "none":
+        return spec
+    main_grad = spec.loss_path == "main_grad"
+    return spec.with_(
+        dtensor=layout, tied=False, loss_path="default" if main_grad else spec.loss_path,
+        reduce_hidden=spec.reduce_hidden or layout == "replicate",
+    )  # fmt: skip
 
 
 def _logit_budget(spec: CaseSpec) -> float:
@@ -238,10 +256,13 @@ def landmark_specs(
             reduction="sum",
         ),
         base.with_(temperature=0.7, bias=0.5, z_loss=1e-2, label_smoothing=0.5, chunk_size=2),
+        # a DTensor head (plain tensors for an implementation that does not claim one)
+        base.with_(dtensor="shard0", bias=0.5, layout="sliced"),
     ]
     for tp in (t for t in tp_sizes if t > 1):
         specs.append(base.with_(tp=tp, vocab=4 * tp + 1, target="edges", ignore="first"))
         specs.append(base.with_(tp=tp, vocab=8 * tp, target="high", reduce_hidden=False))
+        specs.append(base.with_(tp=tp, vocab=4 * tp + 1, dtensor="replicate", ignore="random"))
         # the shards' lse and smoothing sums merged across ranks, the bias sharded with the rows
         specs.append(
             base.with_(
@@ -271,14 +292,18 @@ def campaign_specs(
     tp_sizes: tuple[int, ...] = (1,),
     pairs: tuple[tuple[str, str], ...] = DTYPE_PAIRS,
     loss_paths: tuple[str, ...] = ("default",),
+    dtensors: tuple[str, ...] = ("none",),
 ) -> st.SearchStrategy[CaseSpec]:
     """`case_specs`, half of the time in the precision regimes that expose a second rounding:
     a dtype below fp32 on peaked rows (a log-prob of ~0 from logits of ~|z|), an upstream that
     varies per row, many chunks (the torch backend sums each chunk's partial gradient). They come
     first (a one_of's first branch is where generation starts and shrinking goes), so a
     campaign meets them in its first examples instead of after hundreds. ``loss_paths``: the
-    scalar-loss paths the implementation has (`verify.cases.spec.LOSS_PATHS`), each drawn."""
-    drawn = {"backends": backends, "tp_sizes": tp_sizes, "loss_paths": loss_paths}
+    scalar-loss paths the implementation has (`verify.cases.spec.LOSS_PATHS`), each drawn;
+    ``dtensors``: how its weight may be given (`verify.cases.spec.DTENSOR_LAYOUTS`)."""
+    drawn = {
+        "backends": backends, "tp_sizes": tp_sizes, "loss_paths": loss_paths, "dtensors": dtensors,
+    }  # fmt: skip
     general = case_specs(pairs=pairs, **drawn)
     low = tuple(p for p in pairs if p in LOW_PRECISION)
     if not low:

@@ -24,8 +24,11 @@ from verify.distributed.channels import PipeChannel
 from verify.distributed.messages import Shutdown
 
 # What the fork server imports before forking (its children have them loaded); a pool's own
-# `preload` adds to it when it starts the server.
-FORK_PRELOAD = ("torch", "torch.distributed", "verify.distributed.worker")
+# `preload` adds to it when it starts the server. DTensor (a case's weight may be one) costs
+# 0.8 s to import on an idle core: once here instead of in every worker that meets one.
+FORK_PRELOAD = (
+    "torch", "torch.distributed", "torch.distributed.tensor", "verify.distributed.worker",
+)  # fmt: skip
 _CONTEXT = multiprocessing.get_context("forkserver")
 
 

@@ -21,6 +21,7 @@ from verify.cases.build import Problem, build
 from verify.cases.rank_inputs import RankInputs, rank_inputs, upstream_view
 from verify.cases.spec import CaseSpec
 from verify.execution import stage_timing
+from verify.execution.dtensor_leaves import dtensor_inputs, local_grads
 from verify.execution.mutants import applied
 
 CASE_JOB = "verify.execution.execute:case_job"
@@ -92,7 +93,9 @@ def execute(spec: CaseSpec, rank: Rank, adapter: Adapter) -> dict[str, Any]:
         problem = on_device(problem, torch.device(rank.device))
     try:
         with stage_timing.stage("kernel"):
-            result = _run(spec, rank_inputs(spec, problem, rank.tp_rank), problem, rank, adapter)
+            inputs = rank_inputs(spec, problem, rank.tp_rank)
+            inputs = dtensor_inputs(spec, inputs, problem, rank.tp_group)
+            result = _run(spec, inputs, problem, rank, adapter)
         with stage_timing.stage("transfer"):
             return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
     except adapter.refusals as exc:
@@ -131,12 +134,14 @@ def _run(
     leaves = inputs.leaves
     before = inputs.snapshot()
     shape, twice = spec.target_shape(), spec.grads == "twice"
+    plain = spec.dtensor == "none"  # a DTensor's mesh gives the TP group and vocab_start
 
     def call() -> Call:
         return Call(
             inputs.head_hidden(), inputs.weight, inputs.targets, ignore_index=inputs.ignore_index,
-            options=inputs.options, tp_group=rank.tp_group if spec.tp > 1 else None,
-            vocab_start=inputs.vocab_start, reduce_grad_hidden=spec.reduce_hidden,
+            options=inputs.options, tp_group=rank.tp_group if spec.tp > 1 and plain else None,
+            vocab_start=inputs.vocab_start if plain else None,
+            reduce_grad_hidden=spec.reduce_hidden,
             backend=spec.backend, chunk_size=spec.chunk_size, loss_path=spec.loss_path,
             bias=inputs.bias,
         )  # fmt: skip
@@ -153,14 +158,14 @@ def _run(
                 if problem.grad_entropy is not None:
                     grad = upstream_view(problem.grad_entropy, spec, shape)
                     pairs.append((out["entropy"], grad))
-            result.update(_grads(pairs, inputs, "grad_", twice))
+            result.update(_grads(pairs, inputs, "grad_", twice, spec, rank.tp_rank))
         if adapter.loss is not None:
             loss = adapter.loss(call(), spec.reduction)
             result["loss"] = loss
             grad = problem.grad_loss
             if spec.reduction == "none":
                 grad = upstream_view(grad, spec, shape)
-            result.update(_grads([(loss, grad)], inputs, "loss_grad_", twice))
+            result.update(_grads([(loss, grad)], inputs, "loss_grad_", twice, spec, rank.tp_rank))
     if torch.device(rank.device).type == "cuda":
         torch.cuda.synchronize(rank.device)
     result["compute_s"] = time.perf_counter() - began
@@ -175,24 +180,32 @@ def _run(
 
 
 def _grads(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], inputs: RankInputs, prefix: str, twice: bool
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    inputs: RankInputs,
+    prefix: str,
+    twice: bool,
+    spec: CaseSpec,
+    tp_rank: int,
 ) -> dict[str, Any]:
-    """Gradients of ``sum(output * upstream)`` w.r.t. the leaves that require grad; ``twice``:
-    backward with ``retain_graph`` and again, returning the second and whether both agree."""
-    leaves = inputs.leaves
+    """Gradients of ``sum(output * upstream)`` w.r.t. the leaves that require grad, as this
+    rank's local tensors (`local_grads`; ``prefix + "grad_layouts"`` names a DTensor leaf's
+    gradient not laid out as its leaf); ``twice``: backward with ``retain_graph`` and again,
+    returning the second and whether both agree."""
+    leaves = {name: t for name, t in inputs.named_leaves().items() if t.requires_grad}
     if not leaves:
         return {}
     outputs, upstreams = zip(*pairs, strict=True)
-    first = torch.autograd.grad(outputs, leaves, upstreams, allow_unused=True, retain_graph=twice)
-    grads = torch.autograd.grad(outputs, leaves, upstreams, allow_unused=True) if twice else first
-    named: dict[str, Any] = {}
-    for name, leaf in inputs.named_leaves().items():
-        if leaf.requires_grad:
-            grad = grads[[other is leaf for other in leaves].index(True)]
-            named[prefix + name] = grad if grad is not None else torch.zeros_like(leaf)
+    order = list(leaves.values())
+    runs = [torch.autograd.grad(outputs, order, upstreams, allow_unused=True, retain_graph=twice)]
+    if twice:
+        runs.append(torch.autograd.grad(outputs, order, upstreams, allow_unused=True))
+    local = [local_grads(spec, tp_rank, dict(zip(leaves, g, strict=True)), leaves) for g in runs]
+    grads, wrong = local[-1]
+    named: dict[str, Any] = {prefix + name: grad for name, grad in grads.items()}
+    if wrong:
+        named[prefix + "grad_layouts"] = wrong
     if twice:
         named[prefix + "twice_equal"] = all(
-            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-            for a, b in zip(first, grads, strict=True)
+            torch.equal(a, b) for a, b in zip(local[0][0].values(), grads.values(), strict=True)
         )
     return named

@@ -18,6 +18,7 @@ import lce
 import lce.api
 import lce.autograd
 import lce.backends.torch_chunked as torch_chunked
+import lce.dtensor
 import lce.grad_buffer
 import lce.loss_pass
 import lce.loss_terms
@@ -351,6 +352,49 @@ def _round_tp_partials() -> Iterator[None]:
         yield
 
 
+def _vocab_grad_partial(hidden, weight, *args, **kwargs):
+    """A vocab-sharded DTensor weight's local rows taken with ``to_local(grad_placements=
+    [Partial()])``: the gradient's values are the shard's, its placement says "sum me"."""
+    call = _ORIGINAL_LOCAL_CALL(hidden, weight, *args, **kwargs)
+    if not lce.dtensor.is_dtensor(weight) or weight.placements[0].is_replicate():
+        return call
+    from torch.distributed.tensor import Partial
+
+    return call._replace(weight=weight.to_local(grad_placements=[Partial()]))
+
+
+class _PlainGrad(torch.autograd.Function):
+    """A DTensor weight's local tensor whose backward hands the DTensor a plain tensor."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.to_local().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _grad_as_plain_tensor(hidden, weight, *args, **kwargs):
+    """A DTensor weight unwrapped by a hand-written autograd function that returns the local
+    gradient as it is (a plain tensor): autograd takes it where the shapes agree (a mesh of one)
+    and refuses it elsewhere."""
+    call = _ORIGINAL_LOCAL_CALL(hidden, weight, *args, **kwargs)
+    if not lce.dtensor.is_dtensor(weight):
+        return call
+    return call._replace(weight=_PlainGrad.apply(weight))
+
+
+def _replicate_as_vocab_parallel(hidden, weight, *args, **kwargs):
+    """Every DTensor weight run on its mesh's group, a replicated one too: each rank's whole
+    vocabulary counted once per rank (the placement never checked)."""
+    call = _ORIGINAL_LOCAL_CALL(hidden, weight, *args, **kwargs)
+    if lce.dtensor.is_dtensor(weight) and call.tp_group is None:
+        return call._replace(tp_group=weight.device_mesh.get_group())
+    return call
+
+
+_ORIGINAL_LOCAL_CALL = lce.dtensor.local_call
 _ORIGINAL_LCE = lce.api.linear_cross_entropy
 _ORIGINAL_TOKEN_OUTPUTS = lce.autograd.token_statistics
 _ORIGINAL_TOKEN_LOSS = lce.loss_terms.token_loss
@@ -416,6 +460,16 @@ MUTANTS: dict[str, Mutant] = {
                _patch_loss_terms(_z_term_detached, _z_upstream_dropped)),
         Mutant("smoothing_over_local_vocab", "label smoothing's mean over this rank's shard only",
                _patch_merge(_smoothing_over_local_vocab), min_tp=2),
+        # DTensor weights (`lce.dtensor`): only cases with a DTensor weight reach them.
+        Mutant("dtensor_grad_partial", "a Shard(0) weight's gradient handed back as Partial()",
+               lambda: mock.patch.object(lce.api, "local_call", _vocab_grad_partial)),
+        Mutant("dtensor_grad_plain", "a DTensor weight's gradient handed back as a plain "
+               "local tensor", lambda: mock.patch.object(lce.api, "local_call",
+                                                         _grad_as_plain_tensor)),
+        Mutant("dtensor_replicate_as_shard", "a Replicate weight run vocab-parallel on its mesh "
+               "(V counted once per rank)",
+               lambda: mock.patch.object(lce.api, "local_call", _replicate_as_vocab_parallel),
+               min_tp=2),
     )
 }  # fmt: skip
 

@@ -36,6 +36,8 @@ class KernelRun:
 
     ``ranks_agree``: every rank returned bit-identical per-token outputs and grad_hidden.
     ``twice_equal``: for ``grads="twice"``, the second backward repeated the first (else True).
+    ``grad_layouts``: each DTensor leaf's gradient that was not a DTensor of the leaf's mesh and
+    placements, by rank (`verify.execution.dtensor_leaves`).
     """
 
     status: str
@@ -45,6 +47,7 @@ class KernelRun:
     ranks_agree: bool
     error: str = ""
     twice_equal: bool = True
+    grad_layouts: tuple[str, ...] = ()
 
 
 def assemble(spec: CaseSpec, results: list[dict[str, Any]]) -> KernelRun:
@@ -76,7 +79,16 @@ def assemble(spec: CaseSpec, results: list[dict[str, Any]]) -> KernelRun:
     agree = all(_bit_equal(r[n], first[n]) for r in results[1:] for n in same if n in r)
     unchanged = all(r["inputs_unchanged"] for r in results)
     twice = all(v for r in results for k, v in r.items() if k.endswith("twice_equal"))
-    return KernelRun("ok", outputs, first["dtypes"], unchanged, agree, twice_equal=twice)
+    layouts = tuple(
+        f"rank {rank} {key.removesuffix('grad_layouts')}{line}"
+        for rank, r in enumerate(results)
+        for key, lines in r.items()
+        if key.endswith("grad_layouts")
+        for line in lines
+    )
+    return KernelRun(
+        "ok", outputs, first["dtypes"], unchanged, agree, twice_equal=twice, grad_layouts=layouts
+    )
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ from verify.properties import (
     compiled,
     differential,
     double_backward,
+    dtensor_weights,
     graph_replay,
     main_grad,
     metamorphic,
@@ -113,7 +114,7 @@ PROPERTIES: dict[str, Property] = {
         Property("contract", "differential", differential.contract),
         Property(
             "double_backward", "differential", double_backward.double_backward,
-            applies=lambda s: s.tp == 1,
+            applies=lambda s: s.tp == 1 and s.dtensor == "none",
             needs=(Need(lambda a, tps: a.capabilities.double_backward is not None,
                         "no double-backward contract claimed"),),
             selftest=False,
@@ -183,12 +184,19 @@ PROPERTIES: dict[str, Property] = {
             needs=(TP,), selftest=False,
         ),
         Property(
+            "dtensor", "metamorphic", dtensor_weights.dtensor_weights,
+            applies=dtensor_weights.applies,
+            needs=(Need(lambda a, tps: bool(a.capabilities.dtensor_weights),
+                        "DTensor weights not claimed"),),
+        ),
+        Property(
             "status", "status", status.status_agreement,
             needs=(_claims("validates_inputs", "input validation not claimed"),),
             selftest=False, faults=True,
         ),
         Property(
             "main_grad", "differential", main_grad.main_grad_accumulation,
+            applies=lambda s: s.dtensor == "none",  # a DTensor case has no main_grad path
             needs=(Need(lambda a, tps: "main_grad" in a.capabilities.loss_paths,
                         "no main_grad loss path claimed"),),
             selftest=False,

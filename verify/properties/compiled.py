@@ -40,7 +40,8 @@ _COMPILED: dict[tuple[str, str, str], Any] = {}  # (adapter ref, callable, devic
 
 
 def applies(spec: CaseSpec) -> bool:
-    return spec.loss_path != "main_grad"
+    """Plain weights (DTensor weights under compile are claimed by no one here), no main_grad."""
+    return spec.loss_path != "main_grad" and spec.dtensor == "none"
 
 
 def compiled(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:

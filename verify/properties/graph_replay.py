@@ -25,8 +25,8 @@ CHECK = "verify.properties.graph_replay:check_replay"
 
 
 def applies(spec: CaseSpec) -> bool:
-    """One rank, gradients of hidden and weight, the default loss path, some tokens."""
-    default_path = spec.loss_path == "default"
+    """One rank, plain gradients of hidden and weight, the default loss path, some tokens."""
+    default_path = spec.loss_path == "default" and spec.dtensor == "none"
     return spec.tp == 1 and spec.grads == "both" and default_path and spec.num_tokens > 0
 
 

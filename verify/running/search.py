@@ -226,7 +226,7 @@ class SliceSearch:
             pairs = pairs or caps.dtype_pairs
             specs = campaign_specs(
                 backends=(self.backend,), tp_sizes=(self.tp,), pairs=pairs,
-                loss_paths=caps.loss_paths,
+                loss_paths=caps.loss_paths, dtensors=("none", *caps.dtensor_weights),
             )  # fmt: skip
             marks = [fit(s) for s in landmarks_at(self.tp, self.backend)]
             marks = [s for i, s in enumerate(marks) if s not in marks[:i] and _pair(s) in pairs]

@@ -483,3 +483,44 @@ def test_three_gemm_grant_still_fails_a_mean_over_every_row() -> None:
     spec = MAIN_GRAD_BF16_TOKEN_LOSS.with_(reduction="mean", backend="torch")
     verdicts = check_case(spec, properties=["reduction"], runner=Runner(None, "mean_over_all_rows"))
     assert [v for v in verdicts if v.failed and v.property == "reduction"]
+
+
+# The main job (`bash ci/campaign`) after issue 34's rows (2026-11-25): a softcapped, biased, tied
+# fp32 case in the offset regime whose v.H.u cancels to -1.93e-9. Central differences at 1e-5 and
+# 1e-4 both gave -1.9324e-9 while the double backward and the same function's materialized
+# logits (plain torch ops, fp64) both give -1.93077e-9.
+CANCELLED_SECOND_ORDER = CaseSpec(
+    backend="torch", bias=0.5, offset=10.0, regime="offset", seed=43, softcap=5.0, tied=True,
+    tokens=1, vocab=2, hidden_size=8, upstream="random",
+)  # fmt: skip
+
+
+def test_double_backward_settled_by_the_materialized_logits_where_differences_cancel() -> None:
+    verdicts = check_case(CANCELLED_SECOND_ORDER, properties=["double_backward"])
+    assert verdicts and not [v.line() for v in verdicts if v.failed]
+
+
+class _SilentSecondOrder(torch.autograd.Function):
+    """x**3 summed, with a right gradient (3 x^2) whose own derivative is zero: the bug class."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return (x**3).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 3 * x.detach() ** 2 + 0.0 * x
+
+
+def test_double_backward_oracle_still_fails_a_silent_second_order() -> None:
+    """Differences and the oracle both see 6 x u v where the double backward returns 0."""
+    from verify.properties import double_backward as prop
+
+    x = (torch.arange(1.0, 6.0, dtype=torch.float64) / 3).requires_grad_()
+    verdict = prop._check(
+        CANCELLED_SECOND_ORDER, "loss_mean", _SilentSecondOrder.apply, (x,), must_work=True,
+        reference=lambda x: (x**3).sum(),
+    )  # fmt: skip
+    assert verdict.failed and "materialized" in verdict.detail

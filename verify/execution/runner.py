@@ -155,6 +155,11 @@ class Runner:
         self._cache_size = cache_size
 
     @property
+    def device(self) -> str:
+        """Where this runner's runs go: its pool's device, else the adapter's (this process)."""
+        return self.pool.device if self.pool is not None else self.adapter.device
+
+    @property
     def tp_sizes(self) -> tuple[int, ...]:
         """TP degrees this runner can execute."""
         if self.pool is None or not self.adapter.capabilities.tensor_parallel:
@@ -194,7 +199,7 @@ class Runner:
         payload = execute.case_payload(spec, self.adapter.ref, self.mutant)
 
         def here() -> list[dict]:
-            local = execute.LocalRank(torch.device(self.adapter.device))
+            local = execute.LocalRank(torch.device(self.device))
             return [execute.run_payload(payload, local, self.adapter)]
 
         with stage_timing.stage("dispatch"):  # less the job's own stages, added below
@@ -224,7 +229,7 @@ class Runner:
         payload["mutant"] = self.mutant
 
         def here() -> list[Any]:
-            local = execute.LocalRank(torch.device(self.adapter.device))
+            local = execute.LocalRank(torch.device(self.device))
             return [_named(check)(spec, self.adapter, self.mutant, local)]
 
         return self.run_job(CHECK_JOB, payload, spec, here)[0]

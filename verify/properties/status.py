@@ -40,8 +40,7 @@ def available_backends(device: str = "cpu") -> tuple[str, ...]:
 def status_agreement(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """Every backend of the implementation refuses the spec's fault with one error type naming
     the argument."""
-    device = getattr(runner.pool, "device", "cpu")  # where the runs go (no pool: this CPU)
-    here = available_backends(str(device))
+    here = available_backends(runner.device)
     backends = [b for b in runner.adapter.capabilities.backends if b in here]
     runs = {b: runner.run(spec.with_(backend=b)) for b in backends}
     verdicts = []

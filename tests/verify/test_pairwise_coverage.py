@@ -44,6 +44,25 @@ def test_rows_and_landmarks_reach_every_supported_pair(impl: str, tp: int) -> No
         assert wanted in universe(plan.record(), "differential")
 
 
+@pytest.mark.parametrize(
+    ("name", "unjudged"),
+    [
+        ("megatron_peer", {"softcap=capped", "z_loss=>0"}),
+        ("graph_replay", {"loss_path=fast", "grads=hidden"}),
+    ],
+)
+def test_a_property_judging_only_plain_cases_has_pairs_to_reach(name: str, unjudged: set) -> None:
+    """megatron_peer judges only cases with no model option, graph_replay only both gradients
+    on the default path: no row of the broad pool met either conjunction at TP = 1, and the
+    report said "0 / 0 (100%)" for a property that had run (found on an H100 campaign)."""
+    pytest.importorskip("megatron.core")
+    plan = plan_slice(resolve("lce-torch"), "torch", 1, (name,))
+    scope = plan.record()["properties"][name]
+    assert "tp=1" not in scope["outside"]
+    assert unjudged <= set(scope["outside"])  # values of cases it does not judge
+    assert len(universe(plan.record(), name)) > 100
+
+
 def test_values_the_implementation_does_not_claim_are_reported_not_claimed() -> None:
     """torch's F.linear_cross_entropy claims bias and label smoothing, no other model option."""
     plan = plan_slice(resolve("torch"), "torch", 1, VALID)

@@ -278,14 +278,17 @@ def _scope(
 ) -> dict[str, Any]:
     """Property ``name``'s scope: the supported values no covered case carries (``outside``:
     each put into every pool row the property covers, the row's values it clashes with
-    repaired), and its selecting features (those with a value outside)."""
+    repaired), and its selecting features (those with a value outside). The rows' base case
+    (no option, untied, several tokens) is looked at with the pool: a property judging only a
+    conjunction of plain values (megatron_peer: no option at all; graph_replay: both gradients
+    on the default path) may meet no pool row, and would otherwise count nothing as judged."""
     prop = get(name)
 
     def covered(row: Row) -> bool:
         spec = where.spec(row)
         return not isinstance(spec, str) and prop.covers(spec)
 
-    hits = [row for row in pool if covered(row)]
+    hits = [row for row in (*pool, coverage.values(where.base)) if covered(row)]
     outside = []
     for feature, values in domains.items():
         for value in values:

@@ -102,8 +102,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--budget-s",
         type=float,
-        default=300.0,
-        help="wall-clock budget in seconds, shared by the slices (300)",
+        default=None,
+        help="wall-clock budget in seconds, shared by the slices (default: DEFAULT_BUDGET_S of "
+        "verify/running/config.py, what the ci profile's planned examples need on 2 cores)",
     )
     p.add_argument(
         "--out",
@@ -250,11 +251,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from verify.adapters import AdapterError
     from verify.results.report import headline
     from verify.running.campaign import plan, run_campaign
-    from verify.running.config import CampaignConfig
+    from verify.running.config import DEFAULT_BUDGET_S, CampaignConfig
 
+    budget_s = DEFAULT_BUDGET_S if args.budget_s is None else args.budget_s
     config = CampaignConfig(
         impl=args.impl or "lce", profile=args.profile, backends=args.backends, tp_sizes=args.tp,
-        budget_s=args.budget_s, out_dir=args.out, failures_dir=args.failures,
+        budget_s=budget_s, out_dir=args.out, failures_dir=args.failures,
         properties=args.properties, device=args.device, seed=args.seed, mutant=args.mutant,
         max_examples=args.max_examples, dtypes=args.dtypes, searches=args.searches,
         example_deadline_s=args.example_deadline_s, exclude=tuple(args.exclude),

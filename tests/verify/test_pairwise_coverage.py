@@ -9,6 +9,7 @@ import pytest
 
 from verify.adapters.registry import resolve
 from verify.cases import coverage
+from verify.cases.spec import CaseSpec, SpecError
 from verify.cases.strategies import landmark_specs
 from verify.properties.catalog import PROPERTIES, get
 from verify.properties.rounding_model import expected_dof
@@ -101,3 +102,38 @@ def test_rows_the_statistical_tier_judges_come_first_within_each_size() -> None:
     for size in (1, 2):
         first = next(spec for spec in plan.rows if min(spec.tokens, 2) == size)
         assert expected_dof(first) > 0, first
+
+
+def test_a_case_without_valid_tokens_reaches_only_the_pairs_of_what_emptied_it() -> None:
+    """Every gradient of an all-ignored or empty case is zero whatever its loss path: fast x
+    twice counted there was never tried (a Triton plan's only such row ignored its one token,
+    and the in-place scaling of saved gradients lived through it)."""
+    live = CaseSpec(tokens=8, loss_path="fast", grads="twice", ignore="first")
+    assert coverage.reached_pairs(live) == coverage.pairs_of(coverage.values(live))
+    for dead, emptying in (
+        (live.with_(ignore="all"), {("ignore", "all")}),
+        (live.with_(tokens=0), {("tokens", "0")}),
+        (live.with_(tokens=1), {("ignore", "first"), ("tokens", "1")}),
+    ):
+        pairs = coverage.reached_pairs(dead)
+        assert pairs and all(a in emptying or b in emptying for a, b in pairs), dead
+        assert coverage.pair(("loss_path", "fast"), ("grads", "twice")) not in pairs
+
+
+def test_fast_counts_only_where_it_is_the_path_taken() -> None:
+    """lce's fast flag is the default path for reduction="none" and without gradients: such a
+    case counts as the default path, and a row cannot ask for it."""
+    spec = CaseSpec(tokens=4, loss_path="fast", reduction="none")
+    assert coverage.values(spec)["loss_path"] == "default"
+    assert coverage.values(spec.with_(reduction="sum", grads="none"))["loss_path"] == "default"
+    assert coverage.values(spec.with_(reduction="sum"))["loss_path"] == "fast"
+    for row in ({"reduction": "none", "loss_path": "fast"}, {"loss_path": "fast", "grads": "none"}):
+        with pytest.raises(SpecError, match="fast is the default path"):
+            coverage.apply(spec.with_(loss_path="default", reduction="sum"), row)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_plan_puts_fast_twice_on_a_case_with_valid_tokens(backend: str) -> None:
+    plan = plan_slice(resolve("lce"), backend, 1, VALID)
+    wanted = coverage.pair(("loss_path", "fast"), ("grads", "twice"))
+    assert any(wanted in coverage.reached_pairs(spec) for spec in plan.rows)

@@ -116,6 +116,27 @@ def _tokens(fields_: Fields, value: str) -> Fields:
     return {"tokens": int(value)} if value != "several" else {}
 
 
+def _effective_path(spec: CaseSpec) -> str:
+    """The loss path the case takes: ``fast`` computes gradients in the forward of a scalar
+    loss, and is the default path for ``reduction="none"`` or no gradient (lce's contract, and
+    what a fast-path bug needs to show). A row counting ``fast`` there reached none of its pairs:
+    the in-place scaling of saved gradients lived through a campaign of such rows."""
+    inert = spec.loss_path == "fast" and (spec.reduction == "none" or spec.grads == "none")
+    return "default" if inert else spec.loss_path
+
+
+def _loss_path(fields_: Fields, value: str) -> Fields:
+    if value == "fast" and fields_["reduction"] == "none":
+        raise SpecError("loss_path fast is the default path for reduction none")
+    return {"loss_path": value}
+
+
+def _grads(fields_: Fields, value: str) -> Fields:
+    if value == "none" and fields_["loss_path"] == "fast":
+        raise SpecError("loss_path fast is the default path without gradients")
+    return {"grads": value}
+
+
 IGNORE_IDS = {"-100": IGNORE_INDEX, "0": 0, "-1": -1}
 
 
@@ -138,8 +159,8 @@ FEATURES: tuple[CoverageFeature, ...] = (
     CoverageFeature("dtype", DTYPE_KEYS, lambda s: s.dtype_key, _dtype),
     CoverageFeature("regime", REGIMES, lambda s: s.regime, _regime),
     _field("reduction", REDUCTIONS),
-    _field("loss_path", LOSS_PATHS),
-    _field("grads", GRADS),
+    CoverageFeature("loss_path", LOSS_PATHS, _effective_path, _loss_path),
+    CoverageFeature("grads", GRADS, lambda s: s.grads, _grads),
     _field("upstream", UPSTREAMS),
     _field("layout", LAYOUTS),
     _field("ignore", IGNORE_PATTERNS),
@@ -167,6 +188,30 @@ _ORDER = {name: index for index, name in enumerate(FEATURE_NAMES)}
 def values(spec: CaseSpec) -> Row:
     """Each feature's value in ``spec``."""
     return {f.name: f.value_of(spec) for f in FEATURES}
+
+
+def reached_pairs(spec: CaseSpec) -> set[Pair]:
+    """The pairs a judged ``spec`` reaches: every pair of its values, but on a case with no
+    valid token (no token, or every one ignored) only the pairs through the values that left
+    none. Nothing is computed from the others there (every gradient is zero whatever the loss
+    path, upstream or dtype): a pair such as fast x twice counted on an all-ignored row was
+    never tried, and the in-place scaling of saved gradients it exposes lived through a plan
+    whose one such row ignored its only token."""
+    row = values(spec)
+    emptied = _emptying_values(spec, row)
+    pairs = pairs_of(row)
+    return {p for p in pairs if p[0] in emptied or p[1] in emptied} if emptied else pairs
+
+
+def _emptying_values(spec: CaseSpec, row: Row) -> set[Value]:
+    """The values of ``row`` that leave ``spec`` no valid token (empty when it has one)."""
+    if spec.num_tokens == 0:
+        return {("tokens", row["tokens"])}
+    if spec.ignore == "all":
+        return {("ignore", "all")}
+    if spec.num_tokens == 1 and spec.ignore in ("first", "chunk"):
+        return {("ignore", spec.ignore), ("tokens", row["tokens"])}
+    return set()
 
 
 def pair(a: Value, b: Value) -> Pair:

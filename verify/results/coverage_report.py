@@ -56,7 +56,7 @@ class CoverageTally:
                 self._pairs.clear()
             parsed = CaseSpec.from_json(text)
             valid = parsed.fault == "none"
-            self._pairs[text] = coverage.pairs_of(coverage.values(parsed)) if valid else None
+            self._pairs[text] = coverage.reached_pairs(parsed) if valid else None
         return self._pairs[text]
 
 

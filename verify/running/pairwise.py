@@ -194,7 +194,7 @@ def judged(
 ) -> dict[str, set[Pair]]:
     """What a judged ``spec`` gives each property of ``names`` that covers it: the pairs of its
     values that the property counts."""
-    pairs = coverage.pairs_of(coverage.values(spec))
+    pairs = coverage.reached_pairs(spec)
     return {n: pairs & universes[n] for n in names if get(n).covers(spec)}
 
 
@@ -279,16 +279,19 @@ def _scope(
     """Property ``name``'s scope: the supported values no covered case carries (``outside``:
     each put into every pool row the property covers, the row's values it clashes with
     repaired), and its selecting features (those with a value outside). The rows' base case
-    (no option, untied, several tokens) is looked at with the pool: a property judging only a
-    conjunction of plain values (megatron_peer: no option at all; graph_replay: both gradients
-    on the default path) may meet no pool row, and would otherwise count nothing as judged."""
+    (no option, untied, several tokens) and its variations in one value are looked at with the
+    pool: a property judging only a conjunction of plain values (megatron_peer: no option at all
+    and even shards; graph_replay: both gradients on the default path) may meet no pool row,
+    and would otherwise count nothing as judged."""
     prop = get(name)
 
     def covered(row: Row) -> bool:
         spec = where.spec(row)
         return not isinstance(spec, str) and prop.covers(spec)
 
-    hits = [row for row in (*pool, coverage.values(where.base)) if covered(row)]
+    base = coverage.values(where.base)
+    plain = [base] + [{**base, f: v} for f, values in domains.items() for v in values]
+    hits = [row for row in (*pool, *plain) if covered(row)]
     outside = []
     for feature, values in domains.items():
         for value in values:

@@ -125,18 +125,6 @@ def _effective_path(spec: CaseSpec) -> str:
     return "default" if inert else spec.loss_path
 
 
-def _loss_path(fields_: Fields, value: str) -> Fields:
-    if value == "fast" and fields_["reduction"] == "none":
-        raise SpecError("loss_path fast is the default path for reduction none")
-    return {"loss_path": value}
-
-
-def _grads(fields_: Fields, value: str) -> Fields:
-    if value == "none" and fields_["loss_path"] == "fast":
-        raise SpecError("loss_path fast is the default path without gradients")
-    return {"grads": value}
-
-
 IGNORE_IDS = {"-100": IGNORE_INDEX, "0": 0, "-1": -1}
 
 
@@ -159,8 +147,8 @@ FEATURES: tuple[CoverageFeature, ...] = (
     CoverageFeature("dtype", DTYPE_KEYS, lambda s: s.dtype_key, _dtype),
     CoverageFeature("regime", REGIMES, lambda s: s.regime, _regime),
     _field("reduction", REDUCTIONS),
-    CoverageFeature("loss_path", LOSS_PATHS, _effective_path, _loss_path),
-    CoverageFeature("grads", GRADS, lambda s: s.grads, _grads),
+    CoverageFeature("loss_path", LOSS_PATHS, _effective_path, lambda f, v: {"loss_path": v}),
+    _field("grads", GRADS),
     _field("upstream", UPSTREAMS),
     _field("layout", LAYOUTS),
     _field("ignore", IGNORE_PATTERNS),
@@ -233,12 +221,18 @@ def pair_text(p: Pair) -> str:
 
 def apply(base: CaseSpec, row: Mapping[str, str]) -> CaseSpec:
     """``base`` with every value of ``row`` realized (in `FEATURES` order); raises
-    `SpecError` when the values make no valid case."""
+    `SpecError` when the values make no valid case, or one takes no effect in it (e.g.
+    ``loss_path=fast`` with ``reduction=none`` is the default path: `_effective_path`)."""
     current: Fields = {f.name: getattr(base, f.name) for f in fields(CaseSpec)}
     for feature in FEATURES:
         if feature.name in row:
             current.update(feature.realize(current, row[feature.name]))
-    return CaseSpec(**current)
+    spec = CaseSpec(**current)
+    taken = values(spec)
+    for name, value in row.items():
+        if taken[name] != value:
+            raise SpecError(f"{name}={value} takes no effect here (the case's is {taken[name]})")
+    return spec
 
 
 Target = tuple[str, Pair]  # (who must judge it, e.g. a property's name; the pair)

@@ -113,7 +113,7 @@ def run_campaign(
 # later ones). Its planned examples (landmarks, covering rows: what the coverage table counts) may
 # run past that share while every later slice keeps this fraction of the equal share it had at
 # the start: a slice whose plan costs more than a share (the torch backend's TP = 4 slice on 2
-# cores: 19 landmarks and 51 rows, a compile per row) reaches all its pairs, and a later slice
+# cores: 19 landmarks and ~70 rows, a compile per row) reaches all its pairs, and a later slice
 # (the Triton interpreter's) still runs its landmarks. What a plan did not reach is reported as
 # not reached in budget (the verdict counts failures only).
 KEPT_SHARE = 0.5

@@ -290,7 +290,7 @@ def _scope(
         return not isinstance(spec, str) and prop.covers(spec)
 
     base = coverage.values(where.base)
-    plain = [base] + [{**base, f: v} for f, values in domains.items() for v in values]
+    plain = [{**base, f: v} for f, values in domains.items() for v in values]  # base among them
     hits = [row for row in (*pool, *plain) if covered(row)]
     outside = []
     for feature, values in domains.items():

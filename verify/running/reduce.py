@@ -110,6 +110,6 @@ def _smaller(name: str, value: int, tp: int) -> list[int]:
     elif name == "batch":
         order = BATCH_ORDER
     else:
-        low = 1 if name == "tokens" else tp
+        low = min(value, 1) if name == "tokens" else tp
         order = tuple(dict.fromkeys((low, low + 1, low + 2, value // 2, value - 1)))
     return [v for v in order if (v in order[: order.index(value)] if value in order else v < value)]

@@ -9,7 +9,7 @@ import torch
 import lce
 from verify.cases.spec import CaseSpec
 from verify.execution.runner import Runner
-from verify.properties.oracle import index_order_dots
+from verify.numerics.dot_orders import index_order_dots, lane_order_dots
 from verify.running.engine import check_case
 
 
@@ -182,7 +182,7 @@ def test_entropy_gradient_scale_still_fails_a_rounded_complement() -> None:
     # What the entropy term of the gradients' zeps scale must not grant: the old confident-row
     # defect, 1 - p_y rounded at 1 (fp32, scale 10, T = 0.25, g_lp = g_ent), planted in lce.
     # It failed grad_weight at 326x before the term, 135x with it, 36x once the logit term also
-    # grants the dots' index order (`dot_order_excess`: at H = 64 and |z| ~ 100 that order's
+    # grants the dots' summation orders (`dot_order_error`: at H = 64 and |z| ~ 100 that order's
     # logits are off by several u|z| where the BLAS's are not); the clean code passes.
     from unittest import mock
 
@@ -445,6 +445,50 @@ def test_differential_grants_the_dots_index_order(spec, monkeypatch) -> None:
     monkeypatch.setattr(torch_chunked, "_logits", index_order_dots)
     failed = [v.line() for v in check_case(spec, properties=["differential"]) if v.failed]
     assert not failed, "\n".join(failed)
+
+
+# The seeded ci campaigns of 2026-11-25 on the GPU host's CPU (torch 2.11): megatron_peer's fp32
+# log-probs 1.07x the ratio tier (1.98e-6 against 1.85e-6), every logit offset by 10 at H = 160:
+# lce's dots there summed in another order than any the tier granted, megatron-core's luckily
+# (1.5e-8 from exact). 8 lanes folded in sequence land 3.7e-6 from exact, index order 1.1e-6.
+LANE_ORDER_CASE = CaseSpec(
+    tokens=1, hidden_size=160, vocab=3, regime="offset", offset=10.0, layout="transposed",
+    target="high", reduction="mean", upstream="random", seed=22, backend="torch",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("lanes", [4, 8, 16])
+def test_ratio_tier_grants_lane_order_dots_against_a_lucky_base(lanes) -> None:
+    # Log-probs of dots a CPU BLAS microkernel sums (lanes accumulators, folded in sequence or in
+    # pairs) against a base that landed on R exactly, as megatron-core's did: the tier's logit
+    # term must hold them alone. Index order's excess over B granted 1.35x here; now 0.34x.
+    from verify.execution.outcome import TOLERANCE_OUTPUT
+    from verify.numerics.tolerances import load
+    from verify.properties.oracle import oracle
+    from verify.properties.verdict import tolerance_check
+
+    known = oracle(LANE_ORDER_CASE)
+    problem, ref = known.problem, known.ref["logprobs"]
+    tol = load().get("fp32", TOLERANCE_OUTPUT["logprobs"])
+    for dots in lane_order_dots(problem.hidden, problem.weight, lanes):
+        logprobs = torch.log_softmax(dots.double(), -1).gather(1, problem.targets[:, None])
+        verdict = tolerance_check(
+            "lucky_base", LANE_ORDER_CASE, "logprobs", logprobs.reshape(-1).float(), ref, ref, tol
+        )
+        assert not verdict.failed, verdict.line()
+
+
+def test_summation_orders_round_where_their_partial_sums_sit() -> None:
+    # 1 + 7 e (e = 2^-24, half an ulp of 1): each e added to a partial sum at 1 rounds away (ties
+    # to even), e added to e does not. Index order keeps 1; two lanes (1 + 3 e | 4 e) give 1 + 4
+    # e; eight lanes folded in sequence 1, in pairs 1 + 6 e. The orders differ only in where they
+    # round, as real kernels' do.
+    e = 2.0**-24
+    hidden = torch.tensor([[1.0] + [e] * 7])
+    weight = torch.ones(1, 8)
+    assert index_order_dots(hidden, weight).item() == 1.0
+    assert lane_order_dots(hidden, weight, 2)[0].item() == 1.0 + 4 * e
+    assert [d.item() for d in lane_order_dots(hidden, weight, 8)] == [1.0, 1.0 + 6 * e]
 
 
 def test_index_order_grant_still_fails_tf32_dots(monkeypatch) -> None:

@@ -23,6 +23,7 @@ from verify.cases.rank_inputs import effective_temperature, vocab_range
 from verify.cases.spec import CaseSpec
 from verify.execution import stage_timing
 from verify.numerics.compare import half_subnormal
+from verify.numerics.dot_orders import summation_orders
 from verify.numerics.reference import (
     Reference,
     Upstream,
@@ -173,28 +174,25 @@ class Oracle:
         return self.magnitudes_under(Upstream(loss=self.loss_upstream(upstream)))
 
     @cached_property
-    def dot_order_excess(self) -> torch.Tensor:
-        """Per raw dot ``hidden @ weight.T`` of fp32 operands, how much further from exact it
-        lands in `index_order_dots`' order (the H200's Triton forward matched it to 3 digits) than
-        in B's (the CPU BLAS's on the operands' storage, `operand_layouts`). Where every partial
-        sum carries a common offset, index order rounds each of n additions at ~|z| and a BLAS's
-        blocked sums round few of them there: lce's fp32 log-probs were 1.07x the ratio tier on
-        the H200 (H = 16, 1.25e-5 against B's 2.1e-6; this order's model 1.26e-5). Zeros for
-        16-bit and fp64 weights: there the logits' own rounding (16-bit) dwarfs the fp32
-        accumulator's order, and no fp64 kernel tiles its dots (Triton refuses fp64)."""
+    def dot_order_error(self) -> torch.Tensor:
+        """Per raw dot ``hidden @ weight.T`` of fp32 operands, how far from exact it may land in
+        a correct kernel's order (the worst of `summation_orders`), whatever order the ratio
+        tier's base summed in. Where every partial sum carries a common offset, an order rounds
+        up to n additions at ~|z|, and the base (B, or a peer) may have rounded few there:
+        lce's fp32 log-probs were 1.07x the ratio tier on the H200 (Triton's index order, H =
+        16, against B), and 1.07x again on another CPU's BLAS (H = 160, offset 10, against
+        megatron-core's lucky 1.5e-8): 8 lanes folded in sequence land 3.7e-6 from exact
+        there, index order 1.1e-6. Zeros for 16-bit and fp64 weights: there the logits' own
+        rounding (16-bit) dwarfs the fp32 accumulator's order, and no fp64 kernel tiles its
+        dots (Triton refuses fp64)."""
         problem = self.problem
-        if problem.weight.dtype != torch.float32:
-            return torch.zeros(
-                problem.hidden.shape[0], problem.weight.shape[0], dtype=torch.float64
-            )
-        hidden, weight = problem.hidden.to(torch.float32), problem.weight
-        layouts = operand_layouts(self.spec)
+        hidden, weight = problem.hidden.to(problem.weight.dtype), problem.weight
         exact = hidden.double() @ weight.double().T
-        blas = with_layout(hidden, layouts[0]) @ with_layout(weight, layouts[1]).T
-        excess = (index_order_dots(hidden, weight).double() - exact).abs() - (
-            blas.double() - exact
-        ).abs()
-        return excess.clamp_min(0.0)
+        worst = torch.zeros_like(exact)
+        if weight.dtype == torch.float32:
+            for dots in summation_orders(hidden, weight):
+                worst = torch.maximum(worst, (dots.double() - exact).abs())
+        return worst
 
     def logit_scales(self, dot_rounding: bool = False) -> dict[str, torch.Tensor]:
         """Per output of R, the scale of its error when every logit carries its dtype's rounding
@@ -272,15 +270,6 @@ def _oracle(spec: CaseSpec) -> Oracle:
     return Oracle(spec)
 
 
-def index_order_dots(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 ``hidden @ weight.T`` summed k = 0..n-1 with one rounding per step, as a fused
-    multiply-add rounds (fp32 products are exact in fp64): a tiled GPU kernel's order."""
-    dots = torch.zeros(hidden.shape[0], weight.shape[0], dtype=torch.float32)
-    for k in range(hidden.shape[1]):
-        dots = (dots.double() + hidden[:, k, None].double() * weight[:, k].double()).float()
-    return dots
-
-
 def logit_scales(oracle: Oracle, dot_rounding: bool) -> dict[str, torch.Tensor]:
     """`Oracle.logit_scales`, derived.
 
@@ -351,8 +340,9 @@ def _logit_sizes(
     and ``dz/da`` per lane.
 
     The raw ``a = h @ W.T + b`` rounds like a logit (``|a|``, and ``|a + b|`` again for a bias
-    added after the dot), and another order's excess enters in units of u (zeps = 2u weighs it,
-    granted twice alike); the map carries that by ``dz/da``. Its own fp32 arithmetic adds
+    added after the dot), and the dot's error in a correct kernel's summation order
+    (`Oracle.dot_order_error`) enters in units of u (zeps = 2u weighs it, granted twice alike);
+    the map carries that by ``dz/da``. Its own fp32 arithmetic adds
     ``2 |z|`` (a scale and ``/ T``) or ``3 |z| + 2 cap / T`` (and the tanh, off by up to ~2 ulp
     of 1 wherever it saturates) in fp32's units (`map_rounding_ratio`)."""
     problem, options = oracle.problem, oracle.options
@@ -360,7 +350,7 @@ def _logit_sizes(
     weight = problem.weight.to(torch.float64)
     dots = hidden @ weight.T
     raw = dots if problem.bias is None else dots + problem.bias.double()
-    raw_size = dots.abs() + oracle.dot_order_excess / FP32_U
+    raw_size = dots.abs() + oracle.dot_order_error / FP32_U
     if problem.bias is not None:
         raw_size = raw_size + raw.abs()
     if dot_rounding:

@@ -9,7 +9,7 @@ import torch
 import lce
 from verify.cases.spec import CaseSpec
 from verify.execution.runner import Runner
-from verify.numerics.dot_orders import index_order_dots, lane_order_dots
+from verify.numerics.dot_orders import index_order_dots, lane_order_dots, summation_orders
 from verify.running.engine import check_case
 
 
@@ -489,6 +489,8 @@ def test_summation_orders_round_where_their_partial_sums_sit() -> None:
     assert index_order_dots(hidden, weight).item() == 1.0
     assert lane_order_dots(hidden, weight, 2)[0].item() == 1.0 + 4 * e
     assert [d.item() for d in lane_order_dots(hidden, weight, 8)] == [1.0, 1.0 + 6 * e]
+    # no token (T = 0), as the campaign draws: empty dots in every order
+    assert all(d.shape == (0, 1) for d in summation_orders(hidden[:0], weight))
 
 
 def test_index_order_grant_still_fails_tf32_dots(monkeypatch) -> None:

@@ -39,8 +39,9 @@ def lane_order_dots(
     ``lanes`` in index order, one rounding each), then the lanes folded in sequence and in pairs
     (``lanes`` a power of two): ``(sequential, pairwise)``."""
     pad = -hidden.shape[1] % lanes  # zero products: adding them rounds nothing
-    h = F.pad(hidden.float(), (0, pad)).reshape(hidden.shape[0], 1, -1, lanes)
-    w = F.pad(weight.float(), (0, pad)).reshape(1, weight.shape[0], -1, lanes)
+    steps = (hidden.shape[1] + pad) // lanes
+    h = F.pad(hidden.float(), (0, pad)).reshape(hidden.shape[0], 1, steps, lanes)
+    w = F.pad(weight.float(), (0, pad)).reshape(1, weight.shape[0], steps, lanes)
     acc = torch.zeros(hidden.shape[0], weight.shape[0], lanes, dtype=torch.float32)
     for step in range(h.shape[2]):
         acc = _fma(acc, h[:, :, step], w[:, :, step])

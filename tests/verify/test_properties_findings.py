@@ -570,3 +570,23 @@ def test_double_backward_oracle_still_fails_a_silent_second_order() -> None:
         reference=lambda x: (x**3).sum(),
     )  # fmt: skip
     assert verdict.failed and "materialized" in verdict.detail
+
+
+# A seeded ci campaign of 2026-11-25 (GPU host's CPU): temperature's exact tier failed clean lce
+# at 46.6x (fp32, logits spread over > 90, z-loss, two-token chunks): d_logits of ~5e-41 are
+# rounded on the subnormal grid, where d * 2 and 2 * d differ, and loss_grad_weight moved by an
+# ulp in 7 places. Such cases get the dtype's tolerance for two runs; others stay bit for bit.
+SUBNORMAL_D_CASE = CaseSpec(
+    backend="torch", chunk_size=2, hidden_size=160, regime="spread", seed=43, target="edges",
+    temperature=0.5, tokens=8, upstream="random", vocab=9, z_loss=0.01,
+)  # fmt: skip
+
+
+def test_temperature_grants_subnormal_d_logits() -> None:
+    from verify.properties.metamorphic import subnormal_d_logits
+
+    assert subnormal_d_logits(SUBNORMAL_D_CASE)
+    assert not subnormal_d_logits(SUBNORMAL_D_CASE.with_(regime="normal"))
+    failed = [v.line() for v in check_case(SUBNORMAL_D_CASE, properties=["temperature"])
+              if v.failed]  # fmt: skip
+    assert not failed, "\n".join(failed)

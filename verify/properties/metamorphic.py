@@ -262,9 +262,22 @@ def tied_untied(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     return out
 
 
+def subnormal_d_logits(spec: CaseSpec) -> bool:
+    """Some nonzero d_logits of R (either upstream) lies below twice weight's dtype's smallest
+    normal: an implementation's rounded d there sits on the subnormal grid, where scaling by a
+    power of two is not exact (``e * 2K`` and ``2 (e * K)`` round to different steps)."""
+    terms = oracle(spec).terms.values()
+    tiny = 2 * torch.finfo(DTYPES[spec.weight_dtype]).tiny
+    small = [(d != 0) & (d.abs() < tiny) for d in (t.d_logits for t in terms) if d is not None]
+    return any(bool(flags.any()) for flags in small)
+
+
 def temperature_equivariance(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """Temperature T (a power of two) equals hidden / T at temperature 1, bit for bit up to the
-    exact ``grad_hidden * T`` scaling (power-of-two scalings are exact in floating point)."""
+    exact ``grad_hidden * T`` scaling (power-of-two scalings are exact in floating point), but
+    where d_logits may be subnormal (`subnormal_d_logits`): there the dtype's tolerance for two
+    runs. Seeded campaign of 2026-11-25 (fp32, logits spread over > 90, z-loss 0.01, two-token
+    chunks): d of 5e-41 scaled after rounding moved loss_grad_weight by an ulp in 7 places."""
     folded = spec.with_(transform="fold_temperature")
     runs, bad = _runs("temperature", spec, runner, folded)
     if bad:
@@ -274,8 +287,8 @@ def temperature_equivariance(spec: CaseSpec, runner: Runner) -> list[PropertyVer
     def rescale(name: str, value: torch.Tensor) -> torch.Tensor:
         return value / spec.temperature if name.endswith("grad_hidden") else value
 
-    if spec.dtype_key == "fp16":
-        # fp16 d_logits hit subnormals, where scaling by 2^k is not exact: the dtype's tolerance.
+    if spec.dtype_key == "fp16" or subnormal_d_logits(spec):
+        # fp16 d_logits hit subnormals nearly always
         return _agree("temperature", spec, a, b, transform=rescale, other=folded)
     rel = load().exact["invariance_fp64"]
     return [

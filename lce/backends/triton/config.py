@@ -160,10 +160,11 @@ GPU_CONFIG = TritonConfig(
     backward=TileShape(
         block_t=128, block_v=256, block_h=64, group=16, num_warps=8, num_stages=3, block_h_fp32=32
     ),
-    # Half as wide: no spills (254 registers); softcap 30 at gemma2-8k on an H100, mean loss
-    # fwd+bwd 72.7 vs 88.0 ms with the 128 x 256 tile (docs/BENCHMARKS.md).
+    # Half as wide: no spills (123 registers); 3 stages (96 KiB of shared memory) leave room for
+    # a second program per SM. Softcap 30 at gemma2-8k on an H100, mean loss fwd+bwd: 67.7 ms,
+    # 70.5 with 4 stages and the slope from q, 88.0 with the 128 x 256 tile (docs/BENCHMARKS.md).
     backward_capped=TileShape(
-        block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=4, block_h_fp32=32
+        block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=3, block_h_fp32=32
     ),
     tiles_per_program=1,
 )

@@ -110,7 +110,7 @@ def round_bf16_rne(x):
 def reciprocal_1_2(d):
     """``1 / d`` for fp32 ``d`` in [1, 2], to about an ulp, on the FMA pipe: a linear start
     (``24/17 - 8/17 d``, relative error <= 1/17) and three Newton steps (error squared each:
-    3.5e-3, 1.2e-5, 1.4e-10, then fp32 rounding). Explicit `tl.fma` throughout, as `tanh_and_slope`.
+    3.5e-3, 1.2e-5, 1.4e-10, then fp32 rounding). Explicit `tl.fma` throughout, as `accurate_tanh`.
     """
     r = tl.fma(-8.0 / 17.0, d, 24.0 / 17.0)
     r = tl.fma(r, tl.fma(-d, r, 1.0), r)
@@ -120,17 +120,15 @@ def reciprocal_1_2(d):
 
 
 @triton.jit
-def tanh_and_slope(x):
-    """``(tanh(x), 1 - tanh(x)^2)`` in fp32, both to a few ulps (relative), from ``exp`` alone.
+def accurate_tanh(x):
+    """``tanh(x)`` in fp32 to a few ulps (relative) on every range, from ``exp`` alone.
 
     Triton's interpreter has no libdevice, so one formula serves both modes: Cephes' odd
     polynomial below |x| = 0.625, else ``1 - q`` with ``q = 2 e / (1 + e)``, ``e = exp(-2|x|)``
-    (never overflows), where ``1 - tanh^2 = q (2 - q)`` keeps its relative precision in
-    saturation (``1 - t*t`` from a rounded ``t`` near 1 would not). Written with explicit
-    `tl.fma`, so kernels compiled with and without FMA contraction round ``tanh`` alike.
-    The quotient uses `reciprocal_1_2` (FMA pipe) rather than a division, which costs a
-    special-function op per lane next to the softmax's exp (H100, gemma2-8k, softcap 30,
-    mean loss fwd+bwd: see docs/BENCHMARKS.md).
+    (never overflows). Written with explicit `tl.fma`, so kernels compiled with and without FMA
+    contraction round ``tanh`` alike. The quotient uses `reciprocal_1_2` (FMA pipe) rather than
+    a division, which costs a special-function op per lane next to the softmax's exp (H100,
+    gemma2-8k, softcap 30, mean loss fwd+bwd: see docs/BENCHMARKS.md).
     """
     ax = tl.abs(x)
     e = tl.exp(-2.0 * ax)
@@ -143,10 +141,7 @@ def tanh_and_slope(x):
     poly = tl.fma(poly, z, 1.33314422036e-1)
     poly = tl.fma(poly, z, -3.33332819422e-1)
     near = tl.fma(xs, poly * z, xs)
-    far = tl.where(x < 0, q - 1.0, 1.0 - q)
-    t = tl.where(small, near, far)
-    slope = tl.where(small, (1.0 - near) * (1.0 + near), q * (2.0 - q))
-    return t, slope
+    return tl.where(small, near, tl.where(x < 0, q - 1.0, 1.0 - q))
 
 
 @triton.jit
@@ -155,7 +150,10 @@ def logit_map(acc, bias, cap_scale, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexp
 
     ``r``, the raw units the statistics centre on: ``a + b``, or with a softcap
     ``tanh(cap_scale (a + b))`` (``cap_scale = s / cap``); ``slope``: ``dz/da`` over
-    ``s / T``, i.e. 1, or ``1 - tanh^2``. ``bias`` broadcasts against ``acc`` (read only when
+    ``s / T``, i.e. 1, or ``(1 - r)(1 + r)`` from the rounded ``r``, as the torch backend and
+    PyTorch's tanh backward form it (off by up to ~2 ulps of 1 absolutely where ``r`` saturates;
+    a second per-lane value from ``q`` kept its relative precision there but took 254 registers
+    in the backward tile instead of 123, 4% slower at gemma2-8k: docs/BENCHMARKS.md). ``bias`` broadcasts against ``acc`` (read only when
     ``HAS_BIAS``). Every kernel maps its lanes here, so forward, backward and the loss rows agree
     bit for bit.
     """
@@ -163,5 +161,6 @@ def logit_map(acc, bias, cap_scale, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexp
     if HAS_BIAS:
         acc = acc + bias
     if SOFTCAP:
-        acc, slope = tanh_and_slope(acc * cap_scale)
+        acc = accurate_tanh(acc * cap_scale)
+        slope = (1.0 - acc) * (1.0 + acc)
     return acc, slope

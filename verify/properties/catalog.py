@@ -12,8 +12,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from verify.adapters.features import Untested
 from verify.adapters.interface import Adapter
 from verify.cases.spec import CaseSpec
@@ -55,17 +53,22 @@ class Property:
     transforms: tuple[str, ...] = ()  # the related cases it runs (`CaseSpec.transform`)
     selftest: bool = True  # searched by the mutation self-test (`verify.running.selftest`)
     faults: bool = False
+    device: str | None = None  # the workers' device type it needs ("cuda"), None for any
 
     @property
     def doc(self) -> str:
         return (self.check.__doc__ or "").strip().splitlines()[0]
 
-    def gap(self, adapter: Adapter, tp_sizes: tuple[int, ...]) -> str | None:
-        """Why the property says nothing about ``adapter`` at ``tp_sizes`` (None: it applies)."""
+    def gap(self, adapter: Adapter, tp_sizes: tuple[int, ...], device: str) -> str | None:
+        """Why the property says nothing about ``adapter`` at ``tp_sizes`` on ``device`` workers
+        (None: it applies)."""
         declared = dict(adapter.skip).get(self.name)
         if declared is not None:
             return declared
-        return next((n.reason for n in self.needs if not n.holds(adapter, tp_sizes)), None)
+        unmet = next((n.reason for n in self.needs if not n.holds(adapter, tp_sizes)), None)
+        if unmet is None and self.device not in (None, device):
+            unmet = f"needs {self.device} workers (--device {self.device}; the GPU nightly runs it)"
+        return unmet
 
     def covers(self, spec: CaseSpec) -> bool:
         """The property checks ``spec``: valid or faulty as it expects, and it applies."""
@@ -81,6 +84,9 @@ def _outputs(*names: str) -> Need:
 
 
 TP = Need(lambda a, tps: a.capabilities.tensor_parallel and max(tps) > 1, "needs TP and a pool")
+# What this environment lacks (reported as not tested, never as pairs reached or not).
+TORCH_PEER = Need(lambda a, tps: peers.torch_has_peer(), "PyTorch < 2.13: no linear_cross_entropy")
+MEGATRON = Need(lambda a, tps: peers.megatron_installed(), "megatron-core is not installed")
 
 
 def _claims_option(name: str) -> Need:
@@ -177,11 +183,11 @@ PROPERTIES: dict[str, Property] = {
         ),
         Property(
             "torch_peer", "peer", peers.torch_peer, applies=peers.torch_peer_applies,
-            needs=(_outputs("loss"),), selftest=False,
+            needs=(_outputs("loss"), TORCH_PEER), selftest=False,
         ),
         Property(
             "megatron_peer", "peer", peers.megatron_peer, applies=peers.megatron_peer_applies,
-            needs=(TP,), selftest=False,
+            needs=(TP, MEGATRON), selftest=False,
         ),
         Property(
             "dtensor", "metamorphic", dtensor_weights.dtensor_weights,
@@ -211,10 +217,8 @@ PROPERTIES: dict[str, Property] = {
             "graph_replay", "differential", graph_replay.graph_replay,
             applies=graph_replay.applies,
             needs=(Need(lambda a, tps: bool(a.capabilities.graph_capture),
-                        "CUDA-graph capture not claimed"),
-                   Need(lambda a, tps: torch.cuda.is_available(),
-                        "CUDA graphs need a CUDA device (the GPU nightly runs it)")),
-            selftest=False,
+                        "CUDA-graph capture not claimed"),),
+            selftest=False, device="cuda",
         ),
     )
 }  # fmt: skip
@@ -228,13 +232,13 @@ def get(name: str) -> Property:
 
 
 def applicable(
-    adapter: Adapter, tp_sizes: tuple[int, ...], names: tuple[str, ...] = ()
+    adapter: Adapter, tp_sizes: tuple[int, ...], names: tuple[str, ...] = (), device: str = "cpu"
 ) -> tuple[tuple[str, ...], list[Untested]]:
     """The properties (of ``names``, default all) that say something about ``adapter`` at
-    ``tp_sizes``, and those that do not, with the reason."""
+    ``tp_sizes`` on ``device`` workers, and those that do not, with the reason."""
     chosen, untested = [], []
     for name in names or tuple(PROPERTIES):
-        gap = get(name).gap(adapter, tp_sizes)
+        gap = get(name).gap(adapter, tp_sizes, device)
         if gap is None:
             chosen.append(name)
         else:

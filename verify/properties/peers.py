@@ -70,7 +70,12 @@ def torch_peer_applies(spec: CaseSpec) -> bool:
         if name not in TORCH_PEER_OPTIONS
     )
     plain = options and not spec.tied and spec.transform == "none"
-    return hasattr(F, "linear_cross_entropy") and plain
+    return torch_has_peer() and plain
+
+
+def torch_has_peer() -> bool:
+    """This PyTorch has ``F.linear_cross_entropy`` (2.13 on)."""
+    return hasattr(F, "linear_cross_entropy")
 
 
 def torch_peer(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:

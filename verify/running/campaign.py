@@ -73,7 +73,7 @@ def plan(config: CampaignConfig) -> Plan:
         )
     tps = tuple(t for t in config.tp_sizes if t == 1 or adapter.capabilities.tensor_parallel)
     tps = tps or (1,)
-    names, gaps = applicable(adapter, tps, config.properties)
+    names, gaps = applicable(adapter, tps, config.properties, config.device)
     untested = (*unclaimed(adapter, tps), *gaps)
     return Plan(adapter, tuple((b, t) for b in backends for t in tps), names, untested)
 

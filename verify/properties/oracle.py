@@ -185,11 +185,11 @@ class Oracle:
         there, index order 1.1e-6. Zeros for 16-bit and fp64 weights: there the logits' own
         rounding (16-bit) dwarfs the fp32 accumulator's order, and no fp64 kernel tiles its
         dots (Triton refuses fp64)."""
-        problem = self.problem
-        hidden, weight = problem.hidden.to(problem.weight.dtype), problem.weight
-        exact = hidden.double() @ weight.double().T
-        worst = torch.zeros_like(exact)
+        hidden, weight = self.problem.hidden, self.problem.weight
+        worst = torch.zeros(hidden.shape[0], weight.shape[0], dtype=torch.float64)
         if weight.dtype == torch.float32:
+            hidden = hidden.float()
+            exact = hidden.double() @ weight.double().T
             for dots in summation_orders(hidden, weight):
                 worst = torch.maximum(worst, (dots.double() - exact).abs())
         return worst

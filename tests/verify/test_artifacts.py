@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -53,6 +54,9 @@ def test_record_holds_everything_a_replay_needs(tmp_path):
     assert rec["mutant"] == "grad_weight_bf16_accumulation" and rec["examples"] == 7
     assert set(rec["versions"]) >= {"python", "torch", "triton", "hypothesis", "megatron-core"}
     assert rec["versions"]["torch"] and rec["device"].startswith("cpu")
+    # the commit of this checkout (a seed replays its examples only with the same harness)
+    revision = rec["versions"]["lce-source"]
+    assert revision is None or re.fullmatch(r"[0-9a-f]{12}(-dirty)?", revision), revision
     tol = rec["tolerances"]
     assert tol["dtype"] == "bf16" and set(tol["entries"]) == {"grad_weight"}
     assert set(tol["entries"]["grad_weight"]) == {"alpha", "floor", "atol", "rtol", "zeps"}

@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import re
+import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, is_dataclass
 from datetime import UTC, datetime
@@ -34,7 +35,8 @@ from verify.properties.oracle import oracle
 
 SCHEMA = "lce-failure"
 SCHEMA_VERSION = 1
-PACKAGES = ("torch", "triton", "hypothesis", "megatron-core", "numpy")
+PACKAGES = ("lce", "torch", "triton", "hypothesis", "megatron-core", "numpy")
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout, when verify runs from one
 REQUIRED = ("schema", "schema_version", "spec", "property", "backend", "tp", "verdicts")
 # CaseSpec fields added after artifacts were first written, with the behaviour older artifacts
 # had before the field existed; every other field must be recorded. (Those `CaseSpec.to_json`
@@ -64,14 +66,32 @@ class Artifact:
 
 
 def versions() -> dict[str, str | None]:
-    """python and the installed versions of the packages a result depends on (None: absent)."""
+    """python, the installed versions of the packages a result depends on (None: absent) and,
+    run from a git checkout, its commit (``lce-source``): a seed draws the same examples only
+    with the same harness, and a kernel fix is a commit, not a version number."""
     found: dict[str, str | None] = {"python": platform.python_version()}
     for name in PACKAGES:
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             found[name] = None
+    found["lce-source"] = source_revision()
     return found
+
+
+def source_revision() -> str | None:
+    """``git describe --always --dirty`` of the checkout verify runs from (e.g. ``15a3a1e``, or
+    ``15a3a1e-dirty`` with uncommitted changes); None for an installed copy or without git."""
+    if not (SOURCE_ROOT / ".git").exists():
+        return None
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(SOURCE_ROOT), "describe", "--always", "--dirty", "--abbrev=12"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
 
 
 def device_description(device: str = "cpu") -> str:

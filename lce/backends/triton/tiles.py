@@ -153,9 +153,9 @@ def logit_map(acc, bias, cap_scale, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexp
     ``s / T``, i.e. 1, or ``(1 - r)(1 + r)`` from the rounded ``r``, as the torch backend and
     PyTorch's tanh backward form it (off by up to ~2 ulps of 1 absolutely where ``r`` saturates;
     a second per-lane value from ``q`` kept its relative precision there but took 254 registers
-    in the backward tile instead of 123, 4% slower at gemma2-8k: docs/BENCHMARKS.md). ``bias`` broadcasts against ``acc`` (read only when
-    ``HAS_BIAS``). Every kernel maps its lanes here, so forward, backward and the loss rows agree
-    bit for bit.
+    in the backward tile instead of 123, 4% slower at gemma2-8k: docs/BENCHMARKS.md).
+    ``bias`` broadcasts against ``acc`` (read only when ``HAS_BIAS``). Every kernel maps its
+    lanes here, so forward, backward and the loss rows agree bit for bit.
     """
     slope = 1.0
     if HAS_BIAS:

@@ -25,11 +25,9 @@ def _fma(acc: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def index_order_dots(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 ``hidden @ weight.T`` summed k = 0..n-1, one rounding per step (a GPU tile's order)."""
-    dots = torch.zeros(hidden.shape[0], weight.shape[0], dtype=torch.float32)
-    for k in range(hidden.shape[1]):
-        dots = _fma(dots, hidden[:, k, None], weight[:, k])
-    return dots
+    """fp32 ``hidden @ weight.T`` summed k = 0..n-1, one rounding per step (a GPU tile's order):
+    one lane of `lane_order_dots`."""
+    return lane_order_dots(hidden, weight, 1)[0]
 
 
 def lane_order_dots(
@@ -37,13 +35,13 @@ def lane_order_dots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``hidden @ weight.T`` in ``lanes`` accumulators (lane l sums the products k = l mod
     ``lanes`` in index order, one rounding each), then the lanes folded in sequence and in pairs
-    (``lanes`` a power of two): ``(sequential, pairwise)``."""
+    (``lanes`` a power of two, or 1): ``(sequential, pairwise)``."""
     pad = -hidden.shape[1] % lanes  # zero products: adding them rounds nothing
     steps = (hidden.shape[1] + pad) // lanes
     h = F.pad(hidden.float(), (0, pad)).reshape(hidden.shape[0], 1, steps, lanes)
     w = F.pad(weight.float(), (0, pad)).reshape(1, weight.shape[0], steps, lanes)
     acc = torch.zeros(hidden.shape[0], weight.shape[0], lanes, dtype=torch.float32)
-    for step in range(h.shape[2]):
+    for step in range(steps):
         acc = _fma(acc, h[:, :, step], w[:, :, step])
     sequential = acc[..., 0]
     for lane in range(1, lanes):

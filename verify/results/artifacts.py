@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, is_dataclass
 from datetime import UTC, datetime
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -79,9 +80,11 @@ def versions() -> dict[str, str | None]:
     return found
 
 
+@lru_cache(maxsize=1)
 def source_revision() -> str | None:
     """``git describe --always --dirty`` of the checkout verify runs from (e.g. ``15a3a1e``, or
-    ``15a3a1e-dirty`` with uncommitted changes); None for an installed copy or without git."""
+    ``15a3a1e-dirty`` with uncommitted changes); None for an installed copy or without git.
+    Asked once per process: the code it ran is the code it imported."""
     if not (SOURCE_ROOT / ".git").exists():
         return None
     try:

@@ -1,12 +1,14 @@
-"""The float64 reference R on confident rows: as precise as the implementations it judges."""
+"""The float64 reference R: on confident rows as precise as the implementations it judges; its
+sums in one fixed order."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from verify.numerics.reference import Upstream, reference
+from verify.numerics.reference import Upstream, ordered_sum, reference
 
 
 def test_confident_row_keeps_relative_precision() -> None:
@@ -34,3 +36,28 @@ def test_confident_row_keeps_relative_precision() -> None:
         got, expected = getattr(ref, name), torch.tensor(values, dtype=torch.float64)
         # 1e-13 relative: a few float64 roundings of each closed form; the old R was off by ~100%.
         assert torch.allclose(got, expected, rtol=1e-13, atol=0.0), (name, got, expected)
+
+
+def _padded_tree(x: torch.Tensor) -> torch.Tensor:
+    """R's summation order as written down: the last dim padded with zeros to a power of two,
+    then halves added until one is left."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    x = torch.nn.functional.pad(x, (0, width - n))
+    while x.shape[-1] > 1:
+        x = x[..., : x.shape[-1] // 2] + x[..., x.shape[-1] // 2 :]
+    return x[..., 0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 64, 65, 300, 4097])
+def test_ordered_sum_adds_in_the_padded_tree_order_without_the_padding(n: int) -> None:
+    """`ordered_sum` writes no padding (its first level adds the odd terms to +0.0) and sums along
+    any dim in place: the same bits as the padded tree, negative zeros and infinities included
+    (R's sha256 in every saved artifact rests on them)."""
+    torch.manual_seed(n)
+    x = torch.randn(3, n, 2, dtype=torch.float64) * torch.rand(3, n, 2, dtype=torch.float64) ** 8
+    x.view(-1)[::5] = -0.0
+    x.view(-1)[1] = math.inf
+    got = ordered_sum(x, dim=1)
+    want = _padded_tree(x.movedim(1, -1))
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))

@@ -255,11 +255,17 @@ def statistical_tier(
     kept = (sigma > 0) & (share <= tol.accumulation_share) & torch.isfinite(ref)
     rows = kept.any(1)
     mask = kept[rows].to(torch.float64)
-    projector = _projectors(model.span, safe[rows], mask)
-    dof = (torch.diagonal(projector, dim1=1, dim2=2) * mask).sum().item()
+    basis = span_basis(model.span, safe[rows], mask)
+    inside = basis * mask[:, :, None]
+    # With P = I - Q Q^T the projector off the span and M the mask, in r x r products (never H x
+    # H): trace(M P) = sum M - |M Q|^2 (the degrees of freedom), |M P M|_F^2 = sum M - 2 |M Q|^2
+    # + |Q^T M Q|_F^2 (the spread of the quadratic form).
+    in_span = inside.pow(2).sum().item()
+    dof = mask.sum().item() - in_span
     if dof < tol.min_dof:
         return None
-    spread = (projector * mask[:, :, None] * mask[:, None, :]).pow(2).sum().item()
+    gram = inside.transpose(1, 2) @ inside
+    spread = mask.sum().item() - 2 * in_span + gram.pow(2).sum().item()
     x = tol.false_alarm_exponent
     bound = dof + 2 * math.sqrt(x * spread) + 2 * x
     accumulation = (share[rows] * mask).sum().item()
@@ -267,7 +273,8 @@ def statistical_tier(
 
     def rho(value: torch.Tensor) -> float:
         scaled = torch.nan_to_num((value - ref)[rows] / safe[rows]) * mask
-        return (projector @ scaled[:, :, None]).pow(2).sum().item() / dof
+        off_span = scaled - (basis @ (basis.transpose(1, 2) @ scaled[:, :, None]))[..., 0]
+        return off_span.pow(2).sum().item() / dof
 
     measured = rho(kernel)
     base_rho = rho(base) if base is not None else 0.0
@@ -275,17 +282,17 @@ def statistical_tier(
     return Tier("statistical", measured, allowed * max(1.0, base_rho), note)
 
 
-def _projectors(span: torch.Tensor, sigma: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per row ``[rows, H, H]``: the projector off the span in that row's scaled coordinates
-    (``span / sigma``, masked elements dropped). A QR's columns span at least the columns it
-    factors, rank-deficient or not: nothing inside the span is left in."""
+def span_basis(span: torch.Tensor, sigma: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row ``[rows, H, r]``: orthonormal columns Q spanning the span in that row's scaled
+    coordinates (``span / sigma``, masked elements dropped); ``I - Q Q^T`` projects off it. A
+    QR's columns span at least the columns it factors, rank-deficient or not: nothing inside the
+    span is left out."""
     rows, width = sigma.shape
-    eye = torch.eye(width, dtype=torch.float64).expand(rows, width, width)
     if span.shape[1] == 0 or rows == 0:
-        return eye.clone()
+        return torch.zeros(rows, width, 0, dtype=torch.float64)
     generators = span[None] / sigma[:, :, None] * mask[:, :, None]
     q, _ = torch.linalg.qr(generators)
-    return eye - q @ q.transpose(1, 2)
+    return q
 
 
 def row_span(rows: torch.Tensor) -> torch.Tensor:

@@ -240,15 +240,21 @@ _PRODUCT_ELEMENTS = 1 << 23
 
 
 def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x.sum(dim)`` as a fixed pairwise tree of elementwise additions (same bits everywhere)."""
-    x = x.movedim(dim, -1)
-    n = x.shape[-1]
-    width = 1 << max(n - 1, 0).bit_length()
-    x = torch.nn.functional.pad(x, (0, width - n)) if n else x.new_zeros(*x.shape[:-1], 1)
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x.squeeze(-1)
+    """``x.sum(dim)`` as a fixed pairwise tree of elementwise additions (same bits everywhere):
+    the n terms padded with zeros to a power of two, then halves added until one is left. The
+    padding is never written: the first level adds the terms it would meet to ``+0.0`` instead
+    (what adding a zero does, -0.0 included), and every level adds contiguous halves in place
+    along ``dim``."""
+    n = x.shape[dim]
+    if n <= 1:
+        return x.sum(dim) if n == 0 else x.squeeze(dim).clone()
+    half = 1 << (n - 1).bit_length() - 1
+    paired = x.narrow(dim, 0, n - half) + x.narrow(dim, half, n - half)
+    x = torch.cat([paired, x.narrow(dim, n - half, 2 * half - n) + 0.0], dim)
+    while half > 1:
+        half //= 2
+        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    return x.squeeze(dim)
 
 
 def ordered_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

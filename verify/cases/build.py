@@ -164,8 +164,13 @@ def _retargets(spec: CaseSpec, drawn: torch.Tensor, targets: torch.Tensor) -> to
 def tied_hidden(
     hidden_base: torch.Tensor, weight: torch.Tensor, embed_ids: torch.Tensor
 ) -> torch.Tensor:
-    """What the LM head sees in a tied model: ``hidden_base + TIE_SCALE * weight[embed_ids]``."""
-    return hidden_base + TIE_SCALE * weight[embed_ids].to(hidden_base.dtype)
+    """What the LM head sees in a tied model: ``hidden_base + TIE_SCALE * weight[embed_ids]``,
+    looked up as a model's embedding does (`F.embedding`, whose backward sums each id's rows in
+    one order: indexing's accumulating backward on the CPU gave two backwards of the same graph
+    different fp32 bits at 4097 tokens, which the second-backward clause blamed on the
+    implementation)."""
+    looked_up = torch.nn.functional.embedding(embed_ids, weight)
+    return hidden_base + TIE_SCALE * looked_up.to(hidden_base.dtype)
 
 
 def edge_ids(vocab: int) -> list[int]:

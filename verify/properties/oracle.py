@@ -10,6 +10,7 @@ with like) and derives the bounds lazily: a property reads ``oracle -> compare -
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property, lru_cache
 
@@ -281,9 +282,13 @@ def logit_scales(oracle: Oracle, dot_rounding: bool) -> dict[str, torch.Tensor]:
 
     Log-probs: ``max|z|`` of the row (``dz_y - sum p dz``). Entropy: ``max|z| * (1 + sum p
     |z - E z|)`` (H = lse - E z is a difference of two numbers of ~``max|z|``, each rounded, and
-    the logits' rounding moves H by ``sum p dz (z - E z)``). The loss: its reduction of the
+    the logits' rounding moves H by ``sum p dz (z - E z)``), plus the softmax sum's rounding
+    times ``1 + |E z|`` (it moves lse by its share and E z by its share of E z; a wide peaked
+    row's entropy was 1.04x the ratio tier without it). The loss: its reduction of the
     log-probs' scales. Gradients: the largest ``max|z|`` (at least 1: each term is rounded once
-    more in the gradient's dtype, partials at TP > 1 before their sum) times the absolute-term
+    more in the gradient's dtype, partials at TP > 1 before their sum; at least the softmax
+    sum's rounding, `softmax_sum_rounding`: at V = 65537 with a common offset of 10, B's
+    grad_hidden sat at 0.96 of the envelope without it) times the absolute-term
     sums of `Oracle.magnitudes` (``dp = p (dz - E dz)``). The entropy part ``d_z = -g_ent p
     (z - E z)`` adds sums of ``|g_ent| p ((1 - p) + spread) / T``: rounded logits move it by
     ``g_ent p (dz - E dz - sum_k p_k (dz_k - E dz)(z_k - E z))`` (plus dp's share, relative),
@@ -294,16 +299,17 @@ def logit_scales(oracle: Oracle, dot_rounding: bool) -> dict[str, torch.Tensor]:
     (tests/verify/test_properties_findings.py; 326x without this term)."""
     spec, problem = oracle.spec, oracle.problem
     z, size, dlogit = _logit_sizes(oracle, dot_rounding)
-    zmax, spread, entropy_sizes = _row_sizes(oracle, z, size, dlogit)
+    zmax, entropy_scale, entropy_sizes = _row_sizes(oracle, z, size, dlogit)
     valid = problem.valid
     logprobs = torch.where(valid, zmax, 0.0)
     per_token = torch.where(valid, _token_loss_scale(oracle, z, zmax), 0.0)
     loss = {"none": per_token, "sum": per_token.sum()}.get(spec.reduction)
     if loss is None:
         loss = per_token.sum() / valid.sum()
-    entropy = torch.where(valid, zmax * (1.0 + spread), 0.0)
+    entropy = torch.where(valid, entropy_scale, 0.0)
     out = {"logprobs": logprobs, "entropy": entropy, "loss": loss}
-    top = max(float(logprobs.max()) if logprobs.numel() else 0.0, 1.0)
+    top = float(logprobs.max()) if logprobs.numel() else 0.0
+    top = max(top, 1.0, softmax_sum_rounding(spec.vocab, problem.weight.dtype))
     sizes = oracle.magnitudes
     for name, value in sizes.items():
         if not name.startswith("loss_") and entropy_sizes is not None:
@@ -389,17 +395,21 @@ def _token_loss_scale(oracle: Oracle, z: torch.Tensor, zmax: torch.Tensor) -> to
 def _row_sizes(
     oracle: Oracle, z: torch.Tensor, size: torch.Tensor, dlogit: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None]:
-    """Per row: the largest logit size, ``sum p |z - E z|``, and the entropy part's absolute-term
-    sums of the gradients (None without an entropy upstream); see `logit_scales`."""
+    """Per row: the largest logit size, the entropy's scale, and the entropy part's
+    absolute-term sums of the gradients (None without an entropy upstream); see
+    `logit_scales`."""
     problem = oracle.problem
     if z.shape[-1] == 0 or z.shape[0] == 0:
         zmax = z.new_zeros(z.shape[0])
         return zmax, zmax, None
     zmax = size.amax(dim=-1)
     p = torch.softmax(z, dim=-1)
-    spread = (p * (z - (p * z).sum(-1, keepdim=True)).abs()).sum(-1)
+    mean = (p * z).sum(-1, keepdim=True)
+    spread = (p * (z - mean).abs()).sum(-1)
+    sums = softmax_sum_rounding(z.shape[-1], problem.weight.dtype)
+    entropy = zmax * (1.0 + spread) + sums * (1.0 + mean[:, 0].abs())
     if problem.grad_entropy is None:
-        return zmax, spread, None
+        return zmax, entropy, None
     g_ent = torch.where(problem.valid, problem.grad_entropy.double(), 0.0)
     share = (1.0 - p).clamp_min(0.0) + spread[:, None]
     sizes = g_ent.abs()[:, None] * p * share * dlogit
@@ -410,7 +420,15 @@ def _row_sizes(
     }
     if problem.bias is not None:
         out["grad_bias"] = sizes.sum(0)
-    return zmax, spread, out
+    return zmax, entropy, out
+
+
+def softmax_sum_rounding(vocab: int, dtype: torch.dtype) -> float:
+    """How far a correct kernel's softmax sum of ``vocab`` terms lands from exact, relatively,
+    in units of ``dtype``'s u: ``sqrt(V)`` roundings of its fp32 math (fp64's for fp64: V
+    additions at the sum's scale, in any order, as a random walk). It moves every ``p`` by that
+    share, as a logit of that size would."""
+    return math.sqrt(vocab) * math_ratio(dtype)
 
 
 def buffer_rounding(exp: Oracle) -> torch.Tensor:

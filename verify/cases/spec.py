@@ -44,6 +44,36 @@ TARGET_PATTERNS = ("random", "edges", "high", "repeated")
 REGIMES = ("normal", "peaked", "negative", "offset", "spread")
 LAYOUTS = ("contiguous", "transposed", "sliced")
 UPSTREAMS = ("ones", "scalar", "random", "zero_row0", "strided", "expanded", "logprob_only")
+# Problem sizes past the tile and chunk boundaries of real kernels, one dimension at a time, the
+# others small: what the generator's own sizes (T <= 24, H <= 64, V <= 300) never cross. long:
+# 4097 tokens, past token chunks of up to 4096 (verl's 512, QuACK's 4096), each rank holding
+# more than 4 H ids so that chunks sized by V / H (Liger's) split the tokens too; wide: 65537 ids
+# a rank, past vocab tiles and chunks of up to 65536 (Liger's 32768-wide block, Unsloth's 65536);
+# deep: H = 4097, past split-K tiles. 2^k + 1 each, so every power-of-two tile leaves a tail of
+# one (the reduction of a failure halves them: `verify.running.reduce`).
+EXTENTS = ("small", "long", "wide", "deep")
+LONG_TOKENS = 4097
+WIDE_VOCAB = 65537  # a rank's ids
+DEEP_HIDDEN = 4097
+LONG_VOCAB = 65  # a rank's ids in a long case: > 4 H of its H = 16
+EXTENT_HIDDEN = 16  # H of a long or wide case
+
+
+def extent_sizes(extent: str, tp: int, vocab: int) -> dict[str, int]:
+    """The size fields of a case of ``extent`` at TP degree ``tp`` (none for ``small``), keeping
+    the parity of ``vocab``'s shards (an uneven one's rank 0 holds one id more)."""
+    uneven = vocab % tp if tp > 1 else 0
+    if extent == "long":
+        return {
+            "tokens": LONG_TOKENS,
+            "vocab": LONG_VOCAB * tp + uneven,
+            "hidden_size": EXTENT_HIDDEN,
+        }
+    if extent == "wide":
+        return {"vocab": WIDE_VOCAB * tp + uneven, "hidden_size": EXTENT_HIDDEN}
+    return {"hidden_size": DEEP_HIDDEN} if extent == "deep" else {}
+
+
 # twice: retain_graph and a second backward (must give the same gradients)
 GRADS = ("both", "hidden", "weight", "none", "twice")
 BACKENDS = ("torch", "triton")
@@ -220,6 +250,17 @@ class CaseSpec:
     def num_tokens(self) -> int:
         """Rows of the flattened problem: ``max(batch, 1) * tokens``."""
         return max(self.batch, 1) * self.tokens
+
+    @property
+    def extent(self) -> str:
+        """The dimension past real kernels' tile boundaries (`EXTENTS`), ``small`` for none:
+        ``deep`` from H = `DEEP_HIDDEN`, ``wide`` from `WIDE_VOCAB` ids on every rank, ``long``
+        from `LONG_TOKENS` rows."""
+        if self.hidden_size >= DEEP_HIDDEN:
+            return "deep"
+        if min(stop - start for start, stop in self.shard_bounds()) >= WIDE_VOCAB:
+            return "wide"
+        return "long" if self.num_tokens >= LONG_TOKENS else "small"
 
     @property
     def dtype_key(self) -> str:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from verify.cases.build import SPREAD_SCALE
 from verify.cases.spec import (
     DTYPE_PAIRS,
+    EXTENTS,
     FAULTS,
     GRADS,
     IGNORE_PATTERNS,
@@ -22,6 +23,7 @@ from verify.cases.spec import (
     TARGET_PATTERNS,
     UPSTREAMS,
     CaseSpec,
+    extent_sizes,
 )
 from verify.numerics.reference import IGNORE_INDEX
 from verify.numerics.tolerances import dtype_key
@@ -258,6 +260,10 @@ def landmark_specs(
         base.with_(temperature=0.7, bias=0.5, z_loss=1e-2, label_smoothing=0.5, chunk_size=2),
         # a DTensor head (plain tensors for an implementation that does not claim one)
         base.with_(dtensor="shard0", bias=0.5, layout="sliced"),
+        # past real kernels' tile and chunk boundaries, one dimension at a time, otherwise plain
+        # (fp32's tight tolerances, the normal regime, valid tokens): an extra vocab tile's
+        # logits or a dropped token chunk move every row there
+        *(base.with_(ignore="random", **extent_sizes(e, 1, base.vocab)) for e in EXTENTS[1:]),
     ]
     for tp in (t for t in tp_sizes if t > 1):
         specs.append(base.with_(tp=tp, vocab=4 * tp + 1, target="edges", ignore="first"))
@@ -274,11 +280,15 @@ def landmark_specs(
 
 def landmarks_at(tp: int, backend: str) -> list[CaseSpec]:
     """`landmark_specs` of one slice: every input class at TP degree ``tp`` (a class needing TP
-    1, tied weights, untied there; vocabularies widened to one id per rank), on ``backend``."""
+    1, tied weights, untied there; vocabularies widened to one id per rank, a large extent's to
+    its ids per rank), on ``backend``."""
     lifted = [
-        spec.with_(tp=tp, tied=False, vocab=max(spec.vocab, tp)) if spec.tp != tp else spec
+        spec.with_(
+            tp=tp, tied=False,
+            **{"vocab": max(spec.vocab, tp)} | extent_sizes(spec.extent, tp, spec.vocab),
+        ) if spec.tp != tp else spec
         for spec in landmark_specs((1, tp), (backend,))
-    ]
+    ]  # fmt: skip
     return [spec for index, spec in enumerate(lifted) if spec not in lifted[:index]]
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from verify.adapters.features import Untested
 from verify.adapters.interface import Adapter
-from verify.cases.spec import CaseSpec
+from verify.cases.spec import EXTENTS, CaseSpec
 from verify.execution.runner import Runner
 from verify.properties import (
     compiled,
@@ -54,6 +54,10 @@ class Property:
     selftest: bool = True  # searched by the mutation self-test (`verify.running.selftest`)
     faults: bool = False
     device: str | None = None  # the workers' device type it needs ("cuda"), None for any
+    # The extents (`verify.cases.spec.EXTENTS`) it judges: a large case is run once, by the
+    # properties that hold the implementation to R on it; the relations between runs stay on
+    # small cases, where each of their reruns costs little.
+    extents: tuple[str, ...] = ("small",)
 
     @property
     def doc(self) -> str:
@@ -71,8 +75,10 @@ class Property:
         return unmet
 
     def covers(self, spec: CaseSpec) -> bool:
-        """The property checks ``spec``: valid or faulty as it expects, and it applies."""
-        return (spec.fault != "none") == self.faults and self.applies(spec)
+        """The property checks ``spec``: valid or faulty as it expects, of an extent it judges,
+        and it applies."""
+        valid = (spec.fault != "none") == self.faults
+        return valid and spec.extent in self.extents and self.applies(spec)
 
 
 def _claims(name: str, reason: str) -> Need:
@@ -116,8 +122,8 @@ def _loss_is_minus_logprob(spec: CaseSpec) -> bool:
 PROPERTIES: dict[str, Property] = {
     p.name: p
     for p in (
-        Property("differential", "differential", differential.differential),
-        Property("contract", "differential", differential.contract),
+        Property("differential", "differential", differential.differential, extents=EXTENTS),
+        Property("contract", "differential", differential.contract, extents=EXTENTS),
         Property(
             "double_backward", "differential", double_backward.double_backward,
             applies=lambda s: s.tp == 1 and s.dtensor == "none",
@@ -127,7 +133,7 @@ PROPERTIES: dict[str, Property] = {
         ),
         Property(
             "tp_invariance", "metamorphic", metamorphic.tp_invariance,
-            applies=lambda s: s.tp > 1, needs=(TP,),
+            applies=lambda s: s.tp > 1, needs=(TP,), extents=EXTENTS,
         ),
         Property(
             "chunk_invariance", "metamorphic", metamorphic.chunk_invariance,

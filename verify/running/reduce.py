@@ -19,6 +19,7 @@ from verify.properties.verdict import PropertyVerdict
 SIZES = ("tokens", "batch", "vocab", "hidden_size")
 HIDDEN_ORDER = (8, 2, 5, 16, 33, 64)  # `verify.cases.strategies.hidden_sizes`, simplest first
 BATCH_ORDER = (0, 2, 1)  # `verify.cases.strategies.batch_sizes`
+HALVED_FROM = 301  # past every size the generator draws (V <= 300) and the covering rows' H = 160
 # Fields a reduction leaves as they are: what the slice and the property set, and the seed (any
 # other draw is as simple).
 KEPT = ("tp", "backend", "fault", "transform", "seed", "shards")
@@ -104,12 +105,17 @@ def _moves(spec: CaseSpec, simplest: CaseSpec) -> Iterator[tuple[str, Any]]:
 def _smaller(name: str, value: int, tp: int) -> list[int]:
     """Smaller values of size ``name``, smallest first. Tokens stop at 1: the empty input is a
     class of its own (`verify.running.search.trigger` leaves it out alone), and a failure found
-    with tokens, shrunk to none, was left out only there and found again at T = 1."""
-    if name == "hidden_size":
-        order = HIDDEN_ORDER
-    elif name == "batch":
+    with tokens, shrunk to none, was left out only there and found again at T = 1. Past the
+    generator's sizes (`HALVED_FROM`), half plus one comes too: from an extent's 2^k + 1
+    (`verify.cases.spec.EXTENTS`) a failure at a tile boundary halves down to the first size
+    past it (a 512-token chunk's tail: 513)."""
+    if name == "batch":
         order = BATCH_ORDER
+    elif name == "hidden_size" and value < HALVED_FROM:
+        order = HIDDEN_ORDER
     else:
-        low = min(value, 1) if name == "tokens" else tp
-        order = tuple(dict.fromkeys((low, low + 1, low + 2, value // 2, value - 1)))
+        low = {"tokens": min(value, 1), "vocab": tp}.get(name)
+        start = HIDDEN_ORDER if low is None else (low, low + 1, low + 2)
+        halves = (value // 2, value // 2 + 1) if value >= HALVED_FROM else (value // 2,)
+        order = tuple(dict.fromkeys((*start, *halves, value - 1)))
     return [v for v in order if (v in order[: order.index(value)] if value in order else v < value)]

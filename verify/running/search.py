@@ -228,8 +228,12 @@ class SliceSearch:
                 backends=(self.backend,), tp_sizes=(self.tp,), pairs=pairs,
                 loss_paths=caps.loss_paths, dtensors=("none", *caps.dtensor_weights),
             )  # fmt: skip
+            extents = self.config.extents_at(self.backend)
             marks = [fit(s) for s in landmarks_at(self.tp, self.backend)]
-            marks = [s for i, s in enumerate(marks) if s not in marks[:i] and _pair(s) in pairs]
+            marks = [
+                s for i, s in enumerate(marks)
+                if s not in marks[:i] and _pair(s) in pairs and s.extent in extents
+            ]  # fmt: skip
             searches.append((valid, specs.map(fit), marks + self._covering_rows(valid, marks)))
         return searches
 
@@ -239,7 +243,7 @@ class SliceSearch:
         config = self.config
         plan = plan_slice(
             self.adapter, self.backend, self.tp, names, tuple(marks), config.dtype_pairs,
-            config.exclude,
+            config.exclude, config.extents_at(self.backend),
         )  # fmt: skip
         self.tally.add_coverage(self.adapter.label(self.backend), self.tp, plan.record())
         offset = config.seed or 0

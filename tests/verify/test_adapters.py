@@ -197,6 +197,30 @@ def test_selection_by_name_and_module_function() -> None:
     assert mean_only.outputs == ("loss",) and mean_only.capabilities.reductions == ("mean",)
 
 
+def test_a_plain_function_claims_the_options_its_keywords_name_and_gets_them() -> None:
+    """A skipped option is the field's most common bug: a plain loss taking ``softcap`` (or
+    Liger's ``lse_square_scale``, PyTorch's ``linear_bias``) claims it, so cases carry it and
+    the function is called with the spec's value under its own name."""
+    seen = {}
+
+    def capped(hidden, weight, targets, *, reduction="mean", softcap=None, lse_square_scale=0.0,
+               linear_bias=None, temperature=1.0):  # fmt: skip
+        seen.update(softcap=softcap, z=lse_square_scale, bias=linear_bias, t=temperature)
+        logits = hidden @ weight.T / temperature
+        return torch.nn.functional.cross_entropy(logits, targets, reduction=reduction)
+
+    adapter = from_loss_fn(capped)
+    assert set(adapter.capabilities.options) == {"softcap", "z_loss", "bias", "temperature"}
+    spec = CaseSpec(softcap=5.0, z_loss=1e-2, bias=0.5, temperature=0.5, label_smoothing=0.1)
+    fitted = coerce(adapter, spec)
+    assert (fitted.softcap, fitted.z_loss, fitted.label_smoothing) == (5.0, 1e-2, 0.0)
+    Runner(adapter=adapter).run(fitted)
+    assert seen["softcap"] == 5.0 and seen["z"] == 1e-2 and seen["t"] == 0.5
+    assert seen["bias"] is not None and seen["bias"].shape == (fitted.vocab,)
+    with pytest.raises(AdapterError, match="name the option z_loss"):
+        from_loss_fn(lambda hidden, weight, targets, *, z_loss=0.0, lse_square_scale=0.0: 0)
+
+
 @pytest.mark.parametrize(
     ("ref", "message"),
     [

@@ -20,10 +20,6 @@ import torch.nn.functional as F
 LANES = (2, 4, 8, 16, 32)
 
 
-def _fma(acc: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (acc.double() + h.double() * w.double()).float()
-
-
 def index_order_dots(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 ``hidden @ weight.T`` summed k = 0..n-1, one rounding per step (a GPU tile's order):
     one lane of `lane_order_dots`."""
@@ -38,11 +34,12 @@ def lane_order_dots(
     (``lanes`` a power of two, or 1): ``(sequential, pairwise)``."""
     pad = -hidden.shape[1] % lanes  # zero products: adding them rounds nothing
     steps = (hidden.shape[1] + pad) // lanes
-    h = F.pad(hidden.float(), (0, pad)).reshape(hidden.shape[0], 1, steps, lanes)
-    w = F.pad(weight.float(), (0, pad)).reshape(1, weight.shape[0], steps, lanes)
+    # fp32 operands in float64: each product exact, each sum rounded once to fp32 (one FMA)
+    h = F.pad(hidden.float(), (0, pad)).double().reshape(hidden.shape[0], 1, steps, lanes)
+    w = F.pad(weight.float(), (0, pad)).double().reshape(1, weight.shape[0], steps, lanes)
     acc = torch.zeros(hidden.shape[0], weight.shape[0], lanes, dtype=torch.float32)
     for step in range(steps):
-        acc = _fma(acc, h[:, :, step], w[:, :, step])
+        acc = (acc.double() + h[:, :, step] * w[:, :, step]).float()
     sequential = acc[..., 0]
     for lane in range(1, lanes):
         sequential = sequential + acc[..., lane]
@@ -53,7 +50,11 @@ def lane_order_dots(
 
 
 def summation_orders(hidden: torch.Tensor, weight: torch.Tensor) -> Iterator[torch.Tensor]:
-    """fp32 ``hidden @ weight.T`` in each order of this module (operands fp32)."""
+    """fp32 ``hidden @ weight.T`` in each order of this module (operands fp32). Once the lanes
+    are as many as the products, each holds one (or none): a wider count folds the same values
+    with zeros after them, the same sums, so none is summed again."""
     yield index_order_dots(hidden, weight)
     for lanes in LANES:
         yield from lane_order_dots(hidden, weight, lanes)
+        if lanes >= hidden.shape[1]:
+            break

@@ -243,18 +243,19 @@ def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``x.sum(dim)`` as a fixed pairwise tree of elementwise additions (same bits everywhere):
     the n terms padded with zeros to a power of two, then halves added until one is left. The
     padding is never written: the first level adds the terms it would meet to ``+0.0`` instead
-    (what adding a zero does, -0.0 included), and every level adds contiguous halves in place
-    along ``dim``."""
+    (what adding a zero does, -0.0 included), and every level adds the upper half into the lower
+    one in place, along ``dim``."""
     n = x.shape[dim]
     if n <= 1:
         return x.sum(dim) if n == 0 else x.squeeze(dim).clone()
     half = 1 << (n - 1).bit_length() - 1
-    paired = x.narrow(dim, 0, n - half) + x.narrow(dim, half, n - half)
-    x = torch.cat([paired, x.narrow(dim, n - half, 2 * half - n) + 0.0], dim)
+    acc = x.narrow(dim, 0, half).clone()
+    acc.narrow(dim, 0, n - half).add_(x.narrow(dim, half, n - half))
+    acc.narrow(dim, n - half, 2 * half - n).add_(0.0)
     while half > 1:
         half //= 2
-        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
-    return x.squeeze(dim)
+        acc.narrow(dim, 0, half).add_(acc.narrow(dim, half, half))
+    return acc.narrow(dim, 0, 1).squeeze(dim)
 
 
 def ordered_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,10 @@ inputs at every TP degree, on every machine. Never the global RNG, never a per-r
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from functools import lru_cache
 
 import torch
 
+from verify.cases.memo import sized_memo
 from verify.cases.spec import DTYPES, LINEARITY_A, CaseSpec, shard_bounds
 from verify.numerics.reference import IGNORE_INDEX
 
@@ -105,7 +105,7 @@ def build(spec: CaseSpec) -> Problem:
     )
 
 
-@lru_cache(maxsize=64)
+@sized_memo(max_items=64)
 def _untransformed(
     spec: CaseSpec,
 ) -> tuple[Draws, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -116,7 +116,7 @@ def _untransformed(
     return d, targets, *_logit_regime(spec, d, targets)
 
 
-@lru_cache(maxsize=64)
+@sized_memo(max_items=64)
 def _build(spec: CaseSpec) -> Problem:
     """`build` without the copy: its tensors are the cache's, never modified in place."""
     base = spec.with_(transform="unshift" if spec.transform == "unshift" else "none")

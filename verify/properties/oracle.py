@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import cached_property, lru_cache
+from functools import cached_property
 
 import torch
 
@@ -20,6 +20,7 @@ from lce.options import LogitOptions
 from verify.adapters.builtin import MAIN_GRAD_ASSUMED_LOSS_GRAD, main_grad_old_content
 from verify.cases.build import TIE_SCALE, Problem, build
 from verify.cases.layouts import operand_layouts, with_layout
+from verify.cases.memo import sized_memo
 from verify.cases.rank_inputs import effective_temperature, vocab_range
 from verify.cases.spec import CaseSpec
 from verify.execution import stage_timing
@@ -266,7 +267,7 @@ def compute_ahead(spec: CaseSpec) -> None:
     _ahead[spec] = _BACKGROUND.submit(_oracle, spec)
 
 
-@lru_cache(maxsize=64)
+@sized_memo(max_items=64)
 def _oracle(spec: CaseSpec) -> Oracle:
     return Oracle(spec)
 

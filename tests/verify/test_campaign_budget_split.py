@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from verify.running import campaign
+from verify.running.config import CampaignConfig
 
 SLICES = tuple((backend, tp) for backend in ("torch", "triton") for tp in (1, 2, 4))
 
@@ -77,7 +78,6 @@ def test_a_gpu_campaign_plans_the_triton_slices(monkeypatch) -> None:
     kernel through its campaign (found on an H100, 2026-11-25)."""
     pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    config = SimpleNamespace(impl="lce", backends=("triton", "torch"), tp_sizes=(1,),
-                             properties=None, device="cuda")  # fmt: skip
+    config = CampaignConfig(impl="lce", backends=("triton", "torch"), tp_sizes=(1,), device="cuda")
     assert {b for b, _ in campaign.plan(config).slices} == {"torch", "triton"}
     assert "triton" not in campaign.available_backends("cpu")

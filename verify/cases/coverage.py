@@ -19,7 +19,6 @@ from typing import Any
 from verify.cases.spec import (
     DTENSOR_LAYOUTS,
     DTYPE_PAIRS,
-    EXTENTS,
     GRADS,
     IGNORE_PATTERNS,
     LAYOUTS,
@@ -30,7 +29,6 @@ from verify.cases.spec import (
     UPSTREAMS,
     CaseSpec,
     SpecError,
-    extent_sizes,
 )
 from verify.cases.strategies import regime_offsets
 from verify.numerics.reference import IGNORE_INDEX
@@ -140,15 +138,12 @@ def _ignore_index(fields_: Fields, value: str) -> Fields:
     return {"ignore_index": IGNORE_IDS.get(value, fields_["vocab"] - 1)}
 
 
-# Realized in this order: shards set the vocabulary's parity the extent keeps, the extent the
-# vocabulary the pad id is taken from, the dtype the regime's offsets. The TP degree is fixed
-# per slice (a feature of one value there).
+# Realized in this order: shards set the vocabulary the pad id is taken from, the dtype the
+# regime's offsets. The TP degree is fixed per slice (a feature of one value there).
 FEATURES: tuple[CoverageFeature, ...] = (
     CoverageFeature("tp", ("1", "2", "4", "8"), lambda s: str(s.tp), lambda f, v: {"tp": int(v)}),
     CoverageFeature("shards", ("even", "uneven"),
                     lambda s: "even" if s.even_shards else "uneven", _shards),
-    CoverageFeature("extent", EXTENTS, lambda s: s.extent,
-                    lambda f, v: extent_sizes(v, f["tp"], f["vocab"])),
     CoverageFeature("dtype", DTYPE_KEYS, lambda s: s.dtype_key, _dtype),
     CoverageFeature("regime", REGIMES, lambda s: s.regime, _regime),
     _field("reduction", REDUCTIONS),

@@ -55,8 +55,8 @@ class Property:
     faults: bool = False
     device: str | None = None  # the workers' device type it needs ("cuda"), None for any
     # The extents (`verify.cases.spec.EXTENTS`) it judges: a large case is run once, by the
-    # properties that hold the implementation to R on it; the relations between runs stay on
-    # small cases, where each of their reruns costs little.
+    # properties that hold that run to R (at its TP degree too); the relations between runs
+    # (TP = 1 against TP = n included) stay on small cases, where each rerun costs little.
     extents: tuple[str, ...] = ("small",)
 
     @property
@@ -133,7 +133,7 @@ PROPERTIES: dict[str, Property] = {
         ),
         Property(
             "tp_invariance", "metamorphic", metamorphic.tp_invariance,
-            applies=lambda s: s.tp > 1, needs=(TP,), extents=EXTENTS,
+            applies=lambda s: s.tp > 1, needs=(TP,),
         ),
         Property(
             "chunk_invariance", "metamorphic", metamorphic.chunk_invariance,

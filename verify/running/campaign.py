@@ -21,6 +21,7 @@ from typing import Any
 from verify.adapters.features import Untested, unclaimed
 from verify.adapters.interface import Adapter
 from verify.adapters.registry import resolve
+from verify.cases.spec import EXTENTS
 from verify.distributed.pool import WorkerPool
 from verify.distributed.seam import CASE_MODULES, Pool
 from verify.execution.deadline import FACTOR
@@ -74,8 +75,21 @@ def plan(config: CampaignConfig) -> Plan:
     tps = tuple(t for t in config.tp_sizes if t == 1 or adapter.capabilities.tensor_parallel)
     tps = tps or (1,)
     names, gaps = applicable(adapter, tps, config.properties, config.device)
-    untested = (*unclaimed(adapter, tps), *gaps)
+    untested = (*unclaimed(adapter, tps), *gaps, *_slow_extents(config, adapter, backends))
     return Plan(adapter, tuple((b, t) for b in backends for t in tps), names, untested)
+
+
+def _slow_extents(config: CampaignConfig, adapter: Adapter, backends: list[str]) -> list[Untested]:
+    """The extents a backend's slices leave out here (`CampaignConfig.extents_at`)."""
+    return [
+        Untested(
+            f"{adapter.label(backend)}: extents {', '.join(e for e in EXTENTS if e not in kept)}",
+            "too slow in the Triton interpreter (a wide case's run takes seconds); a GPU "
+            "campaign runs them",
+        )
+        for backend in backends
+        if len(kept := config.extents_at(backend)) < len(EXTENTS)
+    ]
 
 
 def run_campaign(

@@ -23,6 +23,8 @@ TP_DEGREES = (1, 2, 4, 8)
 # interpreter's slices keeping their floor, TP = 4 reached 97% of its pairs. 420 s leaves ~75 s
 # of slack for a slower machine and 60 s to each interpreter slice.
 DEFAULT_BUDGET_S = 420.0
+# What --exclude may name: a CaseSpec field, or the extent its sizes make (`CaseSpec.extent`).
+EXCLUDABLE = (*CaseSpec.__dataclass_fields__, "extent")
 
 
 @dataclass(frozen=True)
@@ -127,11 +129,13 @@ class CampaignConfig:
             if name not in PROPERTIES:
                 raise ValueError(f"--properties: unknown {name!r}; known: {', '.join(PROPERTIES)}")
         for field, value in self._exclusions():
-            if field not in CaseSpec.__dataclass_fields__ or not value:
+            if field not in EXCLUDABLE or not value:
                 raise ValueError(
                     f"--exclude: {field}={value} is not FIELD=VALUE with a CaseSpec field; "
-                    f"fields: {', '.join(CaseSpec.__dataclass_fields__)}"
+                    f"fields: {', '.join(EXCLUDABLE)}"
                 )
+            if field == "extent" and value not in EXTENTS:
+                raise ValueError(f"--exclude: extent={value}; extents: {', '.join(EXTENTS)}")
         if self.mutant is not None and self.mutant not in MUTANTS:
             raise ValueError(f"--mutant: unknown {self.mutant!r}; known: {', '.join(MUTANTS)}")
 

@@ -27,7 +27,7 @@ from verify.adapters.features import coerce
 from verify.adapters.interface import Adapter
 from verify.cases import coverage
 from verify.cases.coverage import FEATURES, Pair, Row, Target, Value
-from verify.cases.spec import DTYPE_PAIRS, EXTENTS, CaseSpec
+from verify.cases.spec import DTYPE_PAIRS, CaseSpec
 from verify.properties.catalog import get
 from verify.properties.rounding_model import expected_dof
 from verify.results.coverage_report import universe
@@ -45,7 +45,6 @@ NOT_CLAIMED = "not claimed"
 INVALID = "not a valid case"
 LEFT_OUT = "left out by the campaign's options"
 OTHER_SLICE = "another slice's"
-TOO_SLOW = "too slow here (the Triton interpreter); a GPU campaign runs it"
 
 
 @dataclass
@@ -91,9 +90,8 @@ class _Slice:
         tp: int,
         pairs: tuple[tuple[str, str], ...],
         exclude: tuple[str, ...],
-        extents: tuple[str, ...] = EXTENTS,
     ) -> None:
-        self.adapter, self.pairs, self.extents = adapter, pairs, extents
+        self.adapter, self.pairs = adapter, pairs
         self.exclude = [tuple(item.split("=", 1)) for item in exclude]
         self.base = CaseSpec(backend=backend, tp=tp, **ROW_BASE)
         self._specs: dict[tuple, CaseSpec | str] = {}
@@ -121,8 +119,6 @@ class _Slice:
         got = coverage.values(fitted)
         if any(got[name] != value for name, value in row.items()):
             return NOT_CLAIMED
-        if fitted.extent not in self.extents:
-            return TOO_SLOW
         left_out = any(str(getattr(fitted, name)) == value for name, value in self.exclude)
         if left_out or (fitted.hidden_dtype, fitted.weight_dtype) not in self.pairs:
             return LEFT_OUT
@@ -138,13 +134,12 @@ def plan_slice(
     landmarks: tuple[CaseSpec, ...] = (),
     pairs: tuple[tuple[str, str], ...] = DTYPE_PAIRS,
     exclude: tuple[str, ...] = (),
-    extents: tuple[str, ...] = EXTENTS,
 ) -> SlicePlan:
     """The `SlicePlan` of ``adapter`` at ``backend`` x TP ``tp`` for the properties ``names``
     (those judging valid cases), its rows reaching what ``landmarks`` do not; ``pairs`` and
-    ``exclude``: the campaign's ``--dtypes`` and ``--exclude``, ``extents`` the sizes the slice
-    affords (`CampaignConfig`). Cached: the self-test plans the same slice for every mutant."""
-    where = _Slice(adapter, backend, tp, pairs, exclude, extents)
+    ``exclude``: the campaign's ``--dtypes`` and ``--exclude`` (`CampaignConfig`). Cached: the
+    self-test plans the same slice for every mutant."""
+    where = _Slice(adapter, backend, tp, pairs, exclude)
     domains, unsupported = _domains(where)
     invalid = _invalid_pairs(where, domains)
     names = tuple(n for n in names if not get(n).faults)
@@ -221,9 +216,8 @@ def _domains(where: _Slice) -> tuple[dict[str, tuple[str, ...]], dict[Value, str
 
 
 def _support(where: _Slice, row: Row, helpers: list[Row]) -> str | None:
-    """None when ``row`` (or ``row`` with one helper value) is a supported case, else why not:
-    the row's own reason, but where that is invalid, not claimed when a helper's is (the
-    implementation's word is the more informative)."""
+    """None when ``row`` (or ``row`` with one helper value) is a supported case, else why not
+    (not claimed wins over invalid: the implementation's word is the more informative)."""
     first = where.spec(row)
     if not isinstance(first, str):
         return None
@@ -235,7 +229,7 @@ def _support(where: _Slice, row: Row, helpers: list[Row]) -> str | None:
         if not isinstance(got, str):
             return None
         reasons.append(got)
-    return NOT_CLAIMED if first.startswith(INVALID) and NOT_CLAIMED in reasons else first
+    return NOT_CLAIMED if NOT_CLAIMED in reasons else first
 
 
 def _invalid_pairs(where: _Slice, domains: dict[str, tuple[str, ...]]) -> dict[Pair, str]:

@@ -243,7 +243,7 @@ class SliceSearch:
         config = self.config
         plan = plan_slice(
             self.adapter, self.backend, self.tp, names, tuple(marks), config.dtype_pairs,
-            config.exclude, config.extents_at(self.backend),
+            config.exclude,
         )  # fmt: skip
         self.tally.add_coverage(self.adapter.label(self.backend), self.tp, plan.record())
         offset = config.seed or 0

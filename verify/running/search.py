@@ -263,9 +263,9 @@ class SliceSearch:
             narrowed = strategy.filter(allowed)
             examples = [s for s in pending if allowed(s)]
             runner.new_search(self.deadlines[1])
-            saved = self._search(names, narrowed, runner, seed, examples)
+            found = self._search(names, narrowed, runner, seed, examples)
             pending = examples[self.explicit_run :]
-            new = [exclusions.absorb(failing, self.deadlines[0]) for failing in saved]
+            new = [exclusions.absorb(failing, self.deadlines[0]) for failing in found]
             due = self.deadlines[0] if not pending else self._explicit_until()
             in_time = time.monotonic() <= due
             if not (any(new) and not exclusions.everything and self.status == "done" and in_time):
@@ -283,11 +283,13 @@ class SliceSearch:
         examples: list[CaseSpec],
     ) -> list[list[PropertyVerdict]]:
         """One Hypothesis search; its shrunk failures (or minimal raising cases) are saved.
-        Returns the failing verdicts it saved."""
+        Returns the failing verdicts it found, a class saved before included: met again in
+        another region (an fp32 precision class on an offset row after a peaked one), its region
+        is left out all the same, or it would end the slice with the rest of its plan unrun."""
         self.failed, self.current, self.unsaved = False, None, None
         stage_timing.current().take()  # what ran before this search is no example's
         self.example_began = time.monotonic()
-        saved: list[list[PropertyVerdict]] = []
+        found: list[list[PropertyVerdict]] = []
         try:
             result = run_property(
                 names, strategy=strategy.map(self._draw), profile=self.config.profile,
@@ -308,8 +310,8 @@ class SliceSearch:
                 if spec in examples:  # Hypothesis does not shrink an explicit example: we do
                     spec, failing = self._reduce(spec, failing, names, runner)
                     reduced = not result.stopped and time.monotonic() < self.deadlines[1]
-                if self._save(spec, names, failing, None, at, reduced):
-                    saved.append(failing)
+                self._save(spec, names, failing, None, at, reduced)
+                found.append(failing)
             for spec, exc in result.errors:
                 self._save_error(spec, names, exc)
         except InfraFault:  # reported by the runner; no failure artifact: nothing failed
@@ -318,7 +320,7 @@ class SliceSearch:
             if stopping.stop_requested():  # what the interrupt left behind, not the outcome
                 raise KeyboardInterrupt from exc
             self._save_error(case_of(exc), names, exc)
-        return saved
+        return found
 
     def _reduce(
         self, spec: CaseSpec, failing: list[PropertyVerdict], names: tuple[str, ...], runner: Runner

@@ -143,10 +143,15 @@ def test_run_writes_a_readable_report(tmp_path, capsys):
     assert {c["property"] for c in report["counts"]} == {"differential", "contract"}
     assert report["dtypes"] == ["fp32", "bf16"]
     assert sum(row["examples"] for row in report["examples_by_dtype"]) == report["examples"]
+    # the landmarks' one plain case of each extent ran, and the report says so
+    by_extent = {row["extent"]: row["examples"] for row in report["examples_by_extent"]}
+    assert sum(by_extent.values()) == report["examples"]
+    assert by_extent["long"] == by_extent["wide"] == by_extent["deep"] == 1
     assert {c["dtype"] for c in report["counts"]} <= {"fp32", "bf16"}
     assert {w["output"] for w in report["worst"]} >= {"logprobs", "grad_hidden", "grad_weight"}
     markdown = (out / "report.md").read_text()
     assert "# ci campaign of lce: PASSED" in markdown and "| differential |" in markdown
+    assert "| wide | 1 |" in markdown
     assert (out / "ratios.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

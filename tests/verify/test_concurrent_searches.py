@@ -29,13 +29,14 @@ def test_two_searches_report_as_one_slice(tmp_path):
     assert doc["errors"] == [] and doc["failures"] == []
     (row,) = doc["slices"]
     assert (row["backend"], row["tp"], row["status"]) == ("lce-torch", 1, "done")
-    # Search 0 ran the status examples, the landmarks, the covering rows and 3 valid ones;
-    # search 1 the landmarks, the rows and its own 3 valid ones.
+    # Search 0 ran the status examples, every other planned example (landmarks, then covering
+    # rows) from the first and 3 valid ones; search 1 the planned examples between and its own
+    # 3 valid ones: the plan once, not once a search.
     counts = {c["property"]: 0 for c in doc["counts"]}
     for c in doc["counts"]:
         counts[c["property"]] += c["examples"]
     (coverage,) = doc["coverage"]
-    valid = 2 * (len(landmarks_at(1, "torch")) + coverage["rows"] + 3)
+    valid = len(landmarks_at(1, "torch")) + coverage["rows"] + 2 * 3
     assert counts == {"status": 3, "differential": valid}
     assert row["examples"] == doc["examples"] == valid + 3
     timing = {r["kind"]: r for r in doc["timing"]}
@@ -76,3 +77,17 @@ def test_a_search_that_cannot_start_is_an_infrastructure_error(tmp_path):
     assert [m.split(":")[0] for m in messages] == ["search 0", "search 1"]
     assert "no GPU is visible" in messages[0]
     assert search.row()["status"] == "infrastructure error"
+
+
+def test_a_failure_saved_by_two_searches_is_one_row():
+    """Two searches that save the same case write one artifact file: the report lists it once
+    (a GPU nightly listed one verl finding 12 times, once per search); another file is a row."""
+    tally = report.Tally()
+    failure = {"property": "differential", "artifact": "failures/differential-a.json"}
+    tally.add_failure(dict(failure))
+    tally.add_failure(dict(failure))
+    tally.add_failure({**failure, "artifact": "failures/differential-b.json"})
+    assert [f["artifact"] for f in tally.failures] == [
+        "failures/differential-a.json",
+        "failures/differential-b.json",
+    ]

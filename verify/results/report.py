@@ -63,6 +63,10 @@ class Tally:
     by_dtype: dict[tuple[str, str, int], list[int]] = field(
         default_factory=lambda: defaultdict(lambda: [0, 0])
     )
+    # (extent, backend, tp) -> [examples, failing examples]: `verify.cases.spec.EXTENTS`
+    by_extent: dict[tuple[str, str, int], list[int]] = field(
+        default_factory=lambda: defaultdict(lambda: [0, 0])
+    )
     cells: dict[tuple[str, str, str], Cell] = field(default_factory=lambda: defaultdict(Cell))
     failures: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
@@ -89,6 +93,9 @@ class Tally:
         failed = any(is_failure(r) for r in records)
         self.by_dtype[(dtype, backend, tp)][0] += 1
         self.by_dtype[(dtype, backend, tp)][1] += int(failed)
+        if spec is not None:
+            self.by_extent[(spec.extent, backend, tp)][0] += 1
+            self.by_extent[(spec.extent, backend, tp)][1] += int(failed)
         by_property: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for record in records:
             by_property[str(record.get("property"))].append(record)
@@ -127,8 +134,10 @@ class Tally:
             row["seconds"][name] = row["seconds"].get(name, 0.0) + value
 
     def add_failure(self, failure: dict[str, Any]) -> None:
-        """A saved failure: property, backend, tp, dtype, output, ratio, artifact, shrunk, line."""
-        self.failures.append(failure)
+        """A saved failure: property, backend, tp, dtype, output, ratio, artifact, shrunk, line.
+        One row per artifact file: concurrent searches that save the same case write one file."""
+        if all(f.get("artifact") != failure.get("artifact") for f in self.failures):
+            self.failures.append(failure)
 
     def add_error(self, where: str, message: str) -> None:
         """An infrastructure error (a rank died or hung, a slice could not run)."""
@@ -171,6 +180,10 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
         {"dtype": d, "backend": b, "tp": t, "examples": n, "failures": f}
         for (d, b, t), (n, f) in sorted(tally.by_dtype.items())
     ]
+    by_extent = [
+        {"extent": e, "backend": b, "tp": t, "examples": n, "failures": f}
+        for (e, b, t), (n, f) in sorted(tally.by_extent.items())
+    ]
     worst = [
         {"output": o, "dtype": d, "backend": b, "checks": c.seen, **(c.worst or {})}
         for (o, d, b), c in sorted(tally.cells.items())
@@ -190,6 +203,7 @@ def to_json(tally: Tally, meta: dict[str, Any]) -> dict[str, Any]:
         "timing": [_timing_row(b, k, row) for (b, k), row in sorted(tally.timing.items())],
         "counts": counts,
         "examples_by_dtype": by_dtype,
+        "examples_by_extent": by_extent,
         "worst": worst,
         "failures": tally.failures,
         "errors": tally.errors,
@@ -316,6 +330,10 @@ def markdown(doc: dict[str, Any]) -> str:
         "## Examples per dtype and backend/TP",
         "",
         *_count_table(doc["examples_by_dtype"], "dtype"),
+        "",
+        "## Examples per extent and backend/TP (sizes past real kernels' tile boundaries)",
+        "",
+        *_count_table(doc.get("examples_by_extent", []), "extent"),
         "",
         "## Worst measured/allowed per output and dtype (all backends; <= 1 passes)",
         "",

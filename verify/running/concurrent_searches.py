@@ -8,8 +8,12 @@ runs the slice's ordinary search (`verify.running.search.SliceSearch`, the same 
 checks) in a spawned process with its own TP=1 worker, and saves its failures' artifacts itself.
 Its tally and progress calls come back over a queue and are applied here in arrival order, so the
 campaign writes one report. Triton's disk cache is shared: a kernel one search compiled, the
-others load. Only search 0 runs the status examples. Each search keeps its own record of the
-failure classes it saved, so a class two searches both find is saved by each.
+others load. Only search 0 runs the status examples; the planned examples (landmarks, covering
+rows) are dealt out, search ``k`` of ``n`` running every ``n``-th from the ``k``-th, so the plan
+is done ``n`` times sooner rather than run ``n`` times over (each search ran all of it, and a
+failing landmark was found and listed by every search). Each search keeps its own record of the
+failure classes it saved, so a class two searches both find in their random phases is saved by
+each.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class _Order:
     backend: str
     tp: int
     index: int
+    count: int  # the slice's searches: this one runs every count-th planned example
     deadlines: tuple[float, float]  # time.monotonic(): one clock for every process on the host
     explicit_until: float | None  # the planned examples' end (`SliceSearch.explicit_until`)
     with_status: bool
@@ -125,8 +130,8 @@ class ConcurrentSlice:
         for index in range(self.count):
             config = replace(self.config, seed=seed_of(self.config.seed, index, self.seed_stride))
             order = _Order(
-                config, self.adapter.ref, self.names, self.backend, self.tp, index, self.deadlines,
-                self.explicit_until, with_status and index == 0, threads,
+                config, self.adapter.ref, self.names, self.backend, self.tp, index, self.count,
+                self.deadlines, self.explicit_until, with_status and index == 0, threads,
             )  # fmt: skip
             processes.append(context.Process(target=_search, args=(order, events)))
         began = time.monotonic()
@@ -221,7 +226,7 @@ def _search(order: _Order, events: Any) -> None:
     tally = _Forward(events, "tally")
     search = SliceSearch(
         order.config, resolve(order.impl), order.backend, order.tp, order.names, tally,
-        _Forward(events, "progress"),
+        _Forward(events, "progress"), part=(order.index, order.count),
     )  # fmt: skip
     search.deadlines, search.explicit_until = order.deadlines, order.explicit_until
     pool = None

@@ -156,9 +156,13 @@ class SliceSearch:
         names: tuple[str, ...],
         tally: Any,
         progress: Any,
+        part: tuple[int, int] = (0, 1),
     ) -> None:
         self.config, self.adapter, self.backend, self.tp = config, adapter, backend, tp
         self.names, self.tally, self.progress = names, tally, progress
+        # (k, n): this search runs every n-th planned example from the k-th, one of n
+        # concurrent searches of the slice (`verify.running.concurrent_searches`)
+        self.part = part
         self.where = f"{adapter.label(backend)} TP={tp}"
         self.status, self.examples, self.seconds = "done", 0, 0.0
         self.artifacts: list[Path] = []
@@ -234,7 +238,8 @@ class SliceSearch:
                 s for i, s in enumerate(marks)
                 if s not in marks[:i] and _pair(s) in pairs and s.extent in extents
             ]  # fmt: skip
-            searches.append((valid, specs.map(fit), marks + self._covering_rows(valid, marks)))
+            planned = marks + self._covering_rows(valid, marks)
+            searches.append((valid, specs.map(fit), planned[self.part[0] :: self.part[1]]))
         return searches
 
     def _covering_rows(self, names: tuple[str, ...], marks: list[CaseSpec]) -> list[CaseSpec]:

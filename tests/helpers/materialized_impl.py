@@ -109,3 +109,28 @@ def refuses_one_token() -> Adapter:
 def undeclared_limit() -> Adapter:
     """Asserts H % 128 == 0 without declaring it: every generated case is refused."""
     return Adapter("undeclared", ("logprobs",), Recorder(min_tokens=0))
+
+
+def two_kernel_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """A correct fp32 loss whose ``reduction="none"`` and reduced paths are different kernels,
+    as Liger's and CCE's are: per token `F.cross_entropy`, reduced from a logsumexp over the
+    vocabulary in reverse order; each token's value agrees to its rounding, not bit for bit."""
+    logits = (hidden.to(weight.dtype) @ weight.T).float().reshape(-1, weight.shape[0])
+    flat = targets.reshape(-1)
+    if reduction == "none":
+        nll = torch.nn.functional.cross_entropy(
+            logits, flat, reduction="none", ignore_index=ignore_index
+        )
+        return nll.view(targets.shape)
+    valid = flat != ignore_index
+    lse = torch.logsumexp(logits.flip(-1), dim=-1)
+    target = logits.gather(1, torch.where(valid, flat, 0)[:, None]).squeeze(1)
+    total = torch.where(valid, lse - target, 0.0).sum()
+    return total if reduction == "sum" else total / valid.sum()

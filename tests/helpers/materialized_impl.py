@@ -4,6 +4,8 @@ harness."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from verify.adapters import Adapter, Call, Capabilities, Limits
@@ -134,3 +136,25 @@ def two_kernel_loss(
     target = logits.gather(1, torch.where(valid, flat, 0)[:, None]).squeeze(1)
     total = torch.where(valid, lse - target, 0.0).sum()
     return total if reduction == "sum" else total / valid.sum()
+
+
+def shuffled_rows_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """A correct fp32 loss that visits the tokens in a fresh random order on every call, as
+    kernels whose blocks add into shared sums atomically do (CCE): reruns agree to rounding,
+    not bit for bit, and it claims no determinism."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    flat = targets.reshape(-1)
+    seed = int.from_bytes(os.urandom(8), "little")  # not the harness's seeded generators
+    order = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed))
+    logits = (rows[order].to(weight.dtype) @ weight.T).float()
+    nll = torch.nn.functional.cross_entropy(
+        logits, flat[order], reduction=reduction, ignore_index=ignore_index
+    )
+    return nll[order.argsort()].view(targets.shape) if reduction == "none" else nll

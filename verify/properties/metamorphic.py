@@ -41,13 +41,6 @@ def _runs(prop: str, spec: CaseSpec, runner: Runner, other: CaseSpec):
     return (a, b), []
 
 
-def rerun_agreement(runner: Runner) -> bool:
-    """The implementation claims bit-identical reruns, so two runs that should agree exactly
-    must. One that does not (CCE's atomic adds: the same spec rerun differed by 9.5e-6 on the
-    H100 of 2026-12-06) is held to the dtype's tolerance for two runs instead."""
-    return runner.adapter.capabilities.deterministic
-
-
 def _agree(
     prop: str,
     spec: CaseSpec,
@@ -208,14 +201,14 @@ def linearity_check(
 
 def ignored_rows_irrelevant(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     """Replacing the hidden rows of ignored tokens changes no output and no gradient (exact);
-    for an implementation that does not claim bit-identical reruns (`rerun_agreement`), to the
+    for an implementation that does not claim bit-identical reruns (`Runner.bitwise_reruns`), to the
     dtype's tolerance for two runs."""
     perturbed = spec.with_(transform="perturb_ignored")
     runs, bad = _runs("ignored_rows", spec, runner, perturbed)
     if bad:
         return bad
     a, b = runs
-    if not rerun_agreement(runner):
+    if not runner.bitwise_reruns:
         return _agree("ignored_rows", spec, a, b, other=perturbed)
     rel = load().exact["invariance_fp64"]
     return [
@@ -288,7 +281,7 @@ def temperature_equivariance(spec: CaseSpec, runner: Runner) -> list[PropertyVer
     """Temperature T (a power of two) equals hidden / T at temperature 1, bit for bit up to the
     exact ``grad_hidden * T`` scaling (power-of-two scalings are exact in floating point), but
     where d_logits may be subnormal (`subnormal_d_logits`) or reruns may differ
-    (`rerun_agreement`): there the dtype's tolerance for two runs. Seeded campaign of
+    (`Runner.bitwise_reruns`): there the dtype's tolerance for two runs. Seeded campaign of
     2026-11-25 (fp32, logits spread over > 90, z-loss 0.01, two-token chunks): d of 5e-41
     scaled after rounding moved loss_grad_weight by an ulp in 7 places."""
     folded = spec.with_(transform="fold_temperature")
@@ -300,7 +293,7 @@ def temperature_equivariance(spec: CaseSpec, runner: Runner) -> list[PropertyVer
     def rescale(name: str, value: torch.Tensor) -> torch.Tensor:
         return value / spec.temperature if name.endswith("grad_hidden") else value
 
-    if spec.dtype_key == "fp16" or subnormal_d_logits(spec) or not rerun_agreement(runner):
+    if spec.dtype_key == "fp16" or subnormal_d_logits(spec) or not runner.bitwise_reruns:
         # fp16 d_logits hit subnormals nearly always
         return _agree("temperature", spec, a, b, transform=rescale, other=folded)
     rel = load().exact["invariance_fp64"]

@@ -204,6 +204,10 @@ def _setup_context(
     # The saved tensors; and the losses' z term (for logging), while entropy is differentiable.
     first = 2 if ctx.decoded.route == "tokens" else 1
     ctx.mark_non_differentiable(*output[first:])
+    # No zero-filled gradients for outputs the caller did not use: autograd would otherwise
+    # allocate one per output, the saved fp32 [V_local, H] grad_weight of the fast route included
+    # (+2 GiB at llama3-8k; `_backward` reads an absent upstream as 0).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:

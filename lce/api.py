@@ -41,6 +41,7 @@ def token_logprobs(
     reduce_grad_hidden: bool = True,
     backend: str = "auto",
     chunk_size: int | None = None,
+    keep_logits_bytes: int = 0,
 ) -> TokenOutputs:
     """Per-token log-prob of the target and entropy, never materializing ``[T, V]`` logits.
 
@@ -67,6 +68,13 @@ def token_logprobs(
         backend: ``"auto"`` (Triton on CUDA if installed, else torch), ``"torch"`` or ``"triton"``.
         chunk_size: tokens per chunk (default: torch ~64 MiB of fp32 logits per chunk, Triton all
             tokens at once); the Triton kernels then run per block, bounding their workspace.
+        keep_logits_bytes: memory the caller lets the forward keep for the backward (0: none).
+            Where this rank's ``[T, V_local]`` logits in weight's dtype fit (``T * V_local *
+            itemsize <= keep_logits_bytes``) and a gradient is wanted, the forward keeps them
+            and the backward does not recompute them: 3 GEMMs instead of 4, at that much more
+            memory until backward. The softmax then sees the logits rounded to weight's dtype,
+            as the stock path's and the torch backend's always do (the Triton backend otherwise
+            takes fp32 dots).
         Under TP every rank passes the same tokens, the same options and either all or none pass
         ``vocab_start``; ranks that disagree, or any rank whose arguments are rejected, make
         every rank raise before any per-token collective.
@@ -82,6 +90,7 @@ def token_logprobs(
         dict(
             ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
             reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
+            keep_logits_bytes=keep_logits_bytes,
         ),
     )  # fmt: skip
     call = Call("tokens", options, wanted=_wanted(hidden, weight, bias))
@@ -108,6 +117,7 @@ def linear_cross_entropy(
     reduce_grad_hidden: bool = True,
     backend: str = "auto",
     chunk_size: int | None = None,
+    keep_logits_bytes: int = 0,
     fast: bool = False,
     grad_weight_into: torch.Tensor | None = None,
     assumed_loss_grad: float = 1.0,
@@ -137,8 +147,8 @@ def linear_cross_entropy(
             other stays exact but recomputes the logits of the rows where it differs (for
             ``"none"``; on CUDA a scalar loss's other upstream, or any under CUDA-graph capture,
             fails a device-side assert unless ``LCE_HOST_CHECKS=1``: see `lce.grad_buffer`).
-    Other arguments as in `token_logprobs` (with a DTensor weight, ``grad_weight_into`` is a
-    DTensor of the same layout).
+    Other arguments as in `token_logprobs` (``keep_logits_bytes``: the default path only, the
+    others keep none; with a DTensor weight ``grad_weight_into`` is a DTensor of its layout).
     """
     weight, bias, tp_group, vocab_start, grad_weight_into = local_call(
         hidden, weight, bias, targets, tp_group, vocab_start, grad_weight_into
@@ -152,15 +162,12 @@ def linear_cross_entropy(
         dict(
             ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
             reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
+            keep_logits_bytes=keep_logits_bytes,
         ),
         reduction, return_z_loss,
     )  # fmt: skip
     wanted = _wanted(hidden, weight, bias)
-    route = "loss"
-    if grad_weight_into is not None and any(wanted):
-        route = "into"
-    elif fast and reduction != "none" and any(wanted):
-        route = "fast"
+    route = _loss_route(wanted, reduction, fast, grad_weight_into is not None)
     call = Call(route, options, reduction, wanted, assumed_loss_grad)
     text = encode_call(call)
     if route == "into":
@@ -169,6 +176,16 @@ def linear_cross_entropy(
     else:
         outputs = torch.ops.lce.fused(hidden, weight, bias, targets, text)
     return (outputs[0], outputs[1]) if return_z_loss else outputs[0]
+
+
+def _loss_route(wanted: Wanted, reduction: str, fast: bool, into: bool) -> str:
+    """`lce.call.ROUTES`' loss route: the 3-GEMM ones only where a gradient is wanted (and for
+    ``fast``, a reduced loss)."""
+    if into and any(wanted):
+        return "into"
+    if fast and reduction != "none" and any(wanted):
+        return "fast"
+    return "loss"
 
 
 def _wanted(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Wanted:

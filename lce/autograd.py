@@ -38,42 +38,49 @@ def token_statistics(
     bias: torch.Tensor | None,
     targets: torch.Tensor,
     plan: Plan,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    keep_logits: bool = False,
+) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
     """The four token statistics (`TokenUpstream`'s order), fp32 ``[T]`` each, of the logits
     ``plan.options.logit`` forms from ``hidden [T, H] @ weight.T + bias``: ``logprob`` of the
     target, ``entropy``, ``lse = logsumexp(z)`` and ``smooth = mean_j(-log p_j)`` (meaningful with
     label smoothing only; the mean is over the whole vocabulary); exactly 0 on ignored rows.
 
-    Also what `token_grads` needs: the kernel ids (`kernel_ids`) and the `GlobalStats` stacked
-    ``[8, T]``.
+    Also what `token_grads` saves: the kernel ids (`kernel_ids`), the `GlobalStats` stacked
+    ``[8, T]`` and, with ``keep_logits``, the raw dots ``[T, V_local]`` in weight's dtype the
+    statistics came from (`lce.call.Call.keeps_logits`).
     """
     ignore_index, shard, logit = plan.options.ignore_index, plan.shard, plan.options.logit
     ignored, kernel_targets = kernel_ids(targets, ignore_index)
+    kept = None
+    if keep_logits:
+        kept = weight.new_empty((hidden.shape[0], weight.shape[0]))
     stats = plan.stages.forward_stats(
-        hidden.to(weight.dtype), weight, bias, kernel_targets, shard.vocab_start, logit
+        hidden.to(weight.dtype), weight, bias, kernel_targets, shard.vocab_start, logit, kept
     )
     merged = merge_stats(stats, shard.owns(kernel_targets), shard, logit)
     zero = torch.zeros_like(merged.max)
     outputs = (merged.logprob, merged.entropy, merged.lse, merged.smooth)
-    saved = torch.stack([getattr(merged, f.name) for f in fields(GlobalStats)])
+    saved = [kernel_targets, torch.stack([getattr(merged, f.name) for f in fields(GlobalStats)])]
     check_target_ids(targets, merged.owners, ignore_index)  # last: a host check syncs
-    return tuple(torch.where(ignored, zero, output) for output in outputs), kernel_targets, saved
+    outputs = tuple(torch.where(ignored, zero, output) for output in outputs)
+    return outputs, saved if kept is None else [*saved, kept]
 
 
 def token_grads(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    kernel_targets: torch.Tensor,
-    saved: torch.Tensor,
+    saved: list[torch.Tensor],
     upstream: TokenUpstream,
     plan: Plan,
     wanted: Wanted,
 ) -> Grads:
-    """The gradients of ``sum_t upstream . statistics`` (`token_statistics`) for ``hidden`` of any
-    shape ``[..., H]``: grad_hidden in hidden's dtype and shape (summed over the TP group unless
-    ``reduce_grad_hidden`` is False), grad_weight and grad_bias in weight's (on their rank)."""
-    merged = GlobalStats(*saved.unbind(0))
+    """The gradients of ``sum_t upstream . statistics`` (`token_statistics`, whose ``saved``
+    these are) for ``hidden`` of any shape ``[..., H]``: grad_hidden in hidden's dtype and shape
+    (summed over the TP group unless ``reduce_grad_hidden`` is False), grad_weight and grad_bias
+    in weight's (on their rank)."""
+    kernel_targets, stacked, *kept = saved
+    merged = GlobalStats(*stacked.unbind(0))
     shard, logit = plan.shard, plan.options.logit
     active = kernel_targets != IGNORED
     zero = torch.zeros_like(merged.max)
@@ -85,7 +92,7 @@ def token_grads(
     tp_sum = plan.options.reduce_grad_hidden and shard.group is not None
     grads = plan.stages.backward_grads(
         hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, kernel_targets,
-        shard.vocab_start, logit, rows, wanted, None if tp_sum else hidden.dtype,
+        shard.vocab_start, logit, rows, wanted, None if tp_sum else hidden.dtype, *kept,
     )  # fmt: skip
     if grads.hidden is not None and tp_sum:
         reduce_grad_hidden(grads.hidden, shard.group)
@@ -122,11 +129,17 @@ def tokens_forward(
     plan: Plan,
     call: Call,
 ) -> list[torch.Tensor]:
-    """`lce.token_logprobs`: logprobs and entropy shaped like ``targets``; kernel ids, stats."""
-    stats, kernel_targets, saved = token_statistics(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan
-    )
-    return [stats[0].view(targets.shape), stats[1].view(targets.shape), kernel_targets, saved]
+    """`lce.token_logprobs`: logprobs and entropy shaped like ``targets``, then what
+    `token_statistics` saves."""
+    stats, saved = token_statistics(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan,
+        _keeps_logits(call, targets, weight),
+    )  # fmt: skip
+    return [stats[0].view(targets.shape), stats[1].view(targets.shape), *saved]
+
+
+def _keeps_logits(call: Call, targets: torch.Tensor, weight: torch.Tensor) -> bool:
+    return call.keeps_logits(targets.numel(), weight.shape[0], weight.element_size())
 
 
 def tokens_backward(
@@ -141,7 +154,7 @@ def tokens_backward(
 ) -> Grads:
     zero = upstream[0].new_zeros(())
     stats_upstream = TokenUpstream(upstream[0], upstream[1], zero, zero)
-    return token_grads(hidden, weight, bias, *saved, stats_upstream, plan, call.wanted)
+    return token_grads(hidden, weight, bias, saved, stats_upstream, plan, call.wanted)
 
 
 def loss_forward(
@@ -153,20 +166,21 @@ def loss_forward(
     call: Call,
 ) -> list[torch.Tensor]:
     """The default (4-GEMM) loss: `token_loss` of the token statistics and its z term, reduced;
-    kernel ids and stats for the backward."""
-    (logprob, _, lse, smooth), kernel_targets, saved = token_statistics(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan
-    )
+    then what `token_statistics` saves."""
+    (logprob, _, lse, smooth), saved = token_statistics(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan,
+        _keeps_logits(call, targets, weight),
+    )  # fmt: skip
     loss, z_term = token_loss(logprob, lse, smooth, plan.options.logit)
     if z_term is None:
         z_term = torch.zeros_like(loss)
     if call.reduction == "none":
-        return [loss.view(targets.shape), z_term.view(targets.shape), kernel_targets, saved]
+        return [loss.view(targets.shape), z_term.view(targets.shape), *saved]
     totals = [loss.sum(), z_term.sum()]
     if call.reduction == "mean":  # the caller's targets count, not the kernel's ids
         count = (targets != plan.options.ignore_index).sum()
         totals = [total / count for total in totals]
-    return [*totals, kernel_targets, saved]
+    return [*totals, *saved]
 
 
 def loss_backward(
@@ -181,16 +195,14 @@ def loss_backward(
 ) -> Grads:
     """`loss_forward`'s gradients: each token's loss upstream (``mean``'s over the count), through
     `loss_upstream` to the token statistics."""
-    kernel_targets, stats = saved
+    kernel_targets, stats = saved[:2]
     grad_loss = upstream[0].reshape(-1)
     if call.reduction == "mean":
         grad_loss = grad_loss / (targets != plan.options.ignore_index).sum()
     grad_loss = grad_loss.expand(kernel_targets.shape)
     lse = GlobalStats(*stats.unbind(0)).lse
     stats_upstream = loss_upstream(grad_loss.to(lse.dtype), lse, plan.options.logit)
-    return token_grads(
-        hidden, weight, bias, kernel_targets, stats, stats_upstream, plan, call.wanted
-    )
+    return token_grads(hidden, weight, bias, saved, stats_upstream, plan, call.wanted)
 
 
 def fast_forward(

@@ -40,6 +40,15 @@ class Call:
     wanted: Wanted = NO_GRADS  # gradients of hidden, weight, bias
     assumed_loss_grad: float = 1.0  # the `into` route's assumed upstream
 
+    def keeps_logits(self, tokens: int, vocab_local: int, itemsize: int) -> bool:
+        """Whether this call's forward keeps this rank's ``[tokens, vocab_local]`` logits (of
+        ``itemsize`` bytes each) for its backward: a route that recomputes them (``tokens``,
+        ``loss``), a gradient wanted, and the logits within ``options.keep_logits_bytes``."""
+        if self.route not in ("tokens", "loss") or not any(self.wanted):
+            return False
+        budget = self.options.keep_logits_bytes
+        return budget > 0 and tokens * vocab_local * itemsize <= budget
+
 
 def encode_call(call: Call) -> str:
     """``call`` as a string of plain Python literals (`decode_call` reverses it)."""

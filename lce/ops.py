@@ -146,7 +146,10 @@ def fake_outputs(
     outputs = [hidden.new_empty(shape, dtype=acc) for _ in range(2)]
     if call.route in ("tokens", "loss"):
         stats = hidden.new_empty((len(GlobalStats.__dataclass_fields__), tokens), dtype=acc)
-        return [*outputs, hidden.new_empty((tokens,), dtype=torch.int64), stats]
+        saved = [*outputs, hidden.new_empty((tokens,), dtype=torch.int64), stats]
+        if call.keeps_logits(tokens, vocab, weight.element_size()):
+            saved.append(weight.new_empty((tokens, vocab)))
+        return saved
     kept = (
         (call.wanted.hidden, (tokens, width)),
         (call.wanted.weight and call.route == "fast", (vocab, width)),

@@ -130,8 +130,11 @@ class StageBackend(Protocol):
         targets: torch.Tensor,
         vocab_start: int,
         logit: LogitOptions,
+        kept: torch.Tensor | None = None,
     ) -> ShardStats:
-        """Softmax statistics of the local shard."""
+        """Softmax statistics of the local shard. ``kept`` (``[T, V_local]`` in weight's dtype):
+        the raw dots ``hidden @ weight.T`` are written there, and the statistics are those of
+        the dots so rounded, for `backward_grads` to read back."""
         ...
 
     def backward_grads(
@@ -145,8 +148,11 @@ class StageBackend(Protocol):
         rows: BackwardRows,
         wanted: Wanted,
         grad_hidden_dtype: torch.dtype | None = None,
+        kept: torch.Tensor | None = None,
     ) -> Grads:
-        """Gradients of ``sum_t`` (upstream x token statistics) for the local shard.
+        """Gradients of ``sum_t`` (upstream x token statistics) for the local shard; with
+        ``kept`` (`forward_stats`' dots, read only: a second backward reads them again) the
+        logits are not recomputed.
 
         ``d_z`` as `BackwardRows` spells it out, ``d_a = d_z * dz/da`` (``logit.dlogit_scale``
         times the cap's slope). Returns ``grad_hidden`` in fp32, or already in

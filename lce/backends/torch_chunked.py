@@ -52,13 +52,18 @@ class TorchChunkedStages:
         targets: torch.Tensor,
         vocab_start: int,
         logit: LogitOptions,
+        kept: torch.Tensor | None = None,
     ) -> ShardStats:
         stats = _empty_stats(hidden, weight)
         if weight.shape[0] == 0:
             return stats
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         for rows in self._chunks(hidden.shape[0], weight.shape[0]):
-            raw = _raw(hidden[rows], weight, bias, logit)
+            if kept is None:
+                dots = _logits(hidden[rows], weight)
+            else:
+                dots = _kept_dots(hidden[rows], weight, kept[rows])
+            raw = _raw(dots, bias, logit)
             _chunk_stats(raw, local[rows], owned[rows], stats, rows, logit)
         return stats
 
@@ -73,6 +78,7 @@ class TorchChunkedStages:
         rows: BackwardRows,
         wanted: Wanted,
         grad_hidden_dtype: torch.dtype | None = None,
+        kept: torch.Tensor | None = None,
     ) -> Grads:
         """Token chunks over the whole shard: each row of grad_hidden is one GEMM, written in
         ``grad_hidden_dtype`` when that is weight's (its one rounding), else in fp32."""
@@ -82,7 +88,11 @@ class TorchChunkedStages:
             return grads
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         for chunk in self._chunks(hidden.shape[0], weight.shape[0]):
-            raw = _raw(hidden[chunk], weight, bias, logit)
+            if kept is None:
+                dots = _logits(hidden[chunk], weight)
+            else:  # a copy: the kept dots stay for a second backward
+                dots = kept[chunk].to(accumulation_dtype(weight.dtype), copy=True)
+            raw = _raw(dots, bias, logit)
             slope = cap_slope(raw, logit)
             d = _chunk_dlogits(raw, select_rows(rows, chunk), local[chunk], owned[chunk], logit)
             _accumulate(d if slope is None else d.mul_(slope), hidden, weight, chunk, grads)
@@ -104,7 +114,7 @@ class TorchChunkedStages:
         cast to weight's dtype is differentiated too). The logits are materialized whole: a
         second-order graph keeps them anyway. Not masked: ignored rows are the caller's.
         """
-        logits = _raw(hidden.to(weight.dtype), weight, bias, logit)
+        logits = _raw(_logits(hidden.to(weight.dtype), weight), bias, logit)
         logits = logits * logit.centred_scale  # z = k r, `LogitOptions`
         log_p = torch.log_softmax(logits, dim=-1)
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
@@ -151,7 +161,7 @@ class TorchChunkedStages:
             if weight.shape[0] == 0:
                 merge(stats, rows)
                 continue
-            raw = _raw(hidden[rows], weight, bias, logit)
+            raw = _raw(_logits(hidden[rows], weight), bias, logit)
             slope = cap_slope(raw, logit)
             e = _chunk_stats(raw, local[rows], owned[rows], stats, rows, logit)
             del raw
@@ -216,12 +226,17 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (hidden @ weight.T).to(accumulation_dtype(weight.dtype))
 
 
-def _raw(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit: LogitOptions
-) -> torch.Tensor:
+def _kept_dots(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`_logits`, the GEMM writing ``out`` (weight's dtype: the kept logits); a copy in the
+    accumulation dtype, which the callers change in place."""
+    torch.mm(hidden, weight.T, out=out)
+    return out.to(accumulation_dtype(weight.dtype), copy=True)
+
+
+def _raw(logits: torch.Tensor, bias: torch.Tensor | None, logit: LogitOptions) -> torch.Tensor:
     """The lanes' `raw_units` from `_logits` plus the bias (added in the accumulation dtype);
-    the scale comes after centring (see `ShardStats`)."""
-    logits = _logits(hidden, weight)
+    the scale comes after centring (see `ShardStats`). In place where ``logits`` is a fresh
+    tensor of the accumulation dtype."""
     if bias is not None:
         logits = logits + bias.to(logits.dtype)
     return raw_units(logits, logit)

@@ -33,6 +33,9 @@ class FusedOutputOptions:
     ignore_index: int = -100
     backend: str = "auto"
     chunk_size: int | None = None
+    # Bytes of logits the per-token path may keep for its backward (3 GEMMs where they fit);
+    # the main_grad path takes 3 GEMMs already and keeps none.
+    keep_logits_bytes: int = 0
     # The gradient the trainer's loss puts on each token's loss, which the main_grad path (see
     # `output_layer_loss`) assumes: 1.0 with calculate_per_token_loss and no loss scaling; else
     # the loss scale / (tokens x micro-batches). Any other upstream stays exact, at a recompute.
@@ -174,6 +177,7 @@ def _fused(
         logit_scale=options.logit_scale, softcap=options.softcap, tp_group=head.tp_group,
         vocab_start=head.vocab_start, reduce_grad_hidden=not head.sequence_parallel,
         backend=options.backend, chunk_size=options.chunk_size,
+        keep_logits_bytes=options.keep_logits_bytes,
     )  # fmt: skip
     main_grad = None if with_entropy else fused_main_grad(output_layer, head.weight)
     if main_grad is not None:

@@ -29,9 +29,10 @@ HOPPER = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 CONSTEXPRS = ("BLOCK_T", "BLOCK_V", "BLOCK_H", "GROUP", "EVEN_H", "BF16_INTERPRETED", "PRECISION",
               "USE_TMA", "WARP_SPECIALIZE", "V_DIV16", "C_DIV16", "HAS_BIAS", "SOFTCAP",
-              "SMOOTHING")  # fmt: skip
+              "SMOOTHING", "ENTROPY")  # fmt: skip
 FLOATS = ("centred_scale", "cap_scale", "dlogit_scale")
-# The logit map's switches (`lce.options.LogitOptions`): every one off, and every one on (bf16
+# The logit map's switches (`lce.options.LogitOptions`; and the row d_logits kernel's entropy
+# term, kept logits' backward): every one off, and every one on (bf16
 # with TMA loads only: the options' code is the same for every dtype and load path, and each
 # compile of a tiled kernel takes ~10-20 s).
 OPTIONS = {"plain": False, "options": True}
@@ -112,7 +113,9 @@ def row_kernel_sizes() -> list[dict]:
     for kernel, values in kernels:
         names = kernel.arg_names
         for name, options in OPTIONS.items():
-            switches = {"HAS_BIAS": options, "SOFTCAP": options, "SMOOTHING": options}
+            switches = {
+                "HAS_BIAS": options, "SOFTCAP": options, "SMOOTHING": options, "ENTROPY": options,
+            }  # fmt: skip
             fixed = {n: v for n, v in {**values, **switches}.items() if n in names}
             signature = {n: argument_type(n, GPU_CONFIG.forward, "bf16", False) for n in names}
             signature.update({n: "constexpr" for n in fixed})

@@ -1,6 +1,6 @@
-"""Row kernels of the 3-GEMM loss: over a materialized ``[rows, V_local]`` logits chunk in weight's
-dtype (raw dots, mapped by `tiles.logit_map` as they are read), the shard statistics, then d_logits
-written over it in place.
+"""Row kernels over materialized ``[rows, V_local]`` logits in weight's dtype (raw dots, mapped by
+`tiles.logit_map` as they are read): the shard statistics, then d_logits (the 3-GEMM loss writes
+them over its logits chunk in place; kept logits are read and d_logits written elsewhere).
 
 The GEMMs around them are cuBLAS's (`lce.backends.gemm`); these kernels are memory-bound
 sweeps, one program per token row walking the vocabulary in ascending tiles.
@@ -199,8 +199,8 @@ def row_stats_into(
 @triton.jit(  # as `_row_stats_kernel`
     do_not_specialize=["vocab_start"],
     do_not_specialize_on_alignment=[
-        "bias_ptr", "targets_ptr", "max_ptr", "log_sumexp_ptr", "coef_ptr", "target_grad_ptr",
-        "uniform_ptr",
+        "bias_ptr", "targets_ptr", "max_ptr", "log_sumexp_ptr", "centred_mean_ptr", "coef_ptr",
+        "grad_entropy_ptr", "target_grad_ptr", "uniform_ptr",
     ],
 )  # fmt: skip
 def _row_dlogits_kernel(
@@ -210,7 +210,9 @@ def _row_dlogits_kernel(
     targets_ptr,
     max_ptr,
     log_sumexp_ptr,
+    centred_mean_ptr,
     coef_ptr,
+    grad_entropy_ptr,
     target_grad_ptr,
     uniform_ptr,
     V,
@@ -224,6 +226,7 @@ def _row_dlogits_kernel(
     HAS_BIAS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SMOOTHING: tl.constexpr,
+    ENTROPY: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
@@ -232,8 +235,15 @@ def _row_dlogits_kernel(
     log_sumexp = tl.load(log_sumexp_ptr + row)
     coef = tl.load(coef_ptr + row)
     target_grad = tl.load(target_grad_ptr + row)
+    # Rows with zero upstream gradient (ignored tokens) get exactly 0, as in the backward kernel.
+    active = (coef != 0.0) | (target_grad != 0.0)
     if SMOOTHING:
         uniform = tl.load(uniform_ptr + row)
+        active |= uniform != 0.0
+    if ENTROPY:
+        centred_mean = tl.load(centred_mean_ptr + row)
+        g_ent = tl.load(grad_entropy_ptr + row)
+        active |= g_ent != 0.0
     for tile_start in range(0, V, BLOCK_V):
         offs = tile_start + cols
         in_v = offs < V
@@ -242,10 +252,14 @@ def _row_dlogits_kernel(
         )
         # Centred before the scale, as the statistics were (`ShardStats`): no rounding at |z|.
         centred = (acc - row_max) * centred_scale
-        d = -coef * tl.exp(centred - log_sumexp)
+        if ENTROPY:
+            d = -tl.exp(centred - log_sumexp) * (coef + g_ent * (centred - centred_mean))
+        else:
+            d = -coef * tl.exp(centred - log_sumexp)
         if SMOOTHING:
             d += uniform
         d = tl.where(offs == local_target, target_grad, d) * slope
+        d = tl.where(active, d, 0.0)
         if BF16_INTERPRETED:
             d = round_bf16_rne(d)  # the interpreter's bf16 cast truncates
         tl.store(out_ptr + row * stride_ot + offs, d.to(out_ptr.dtype.element_ty), mask=in_v)
@@ -259,24 +273,27 @@ def row_dlogits(
     vocab_start: int,
     logit: LogitOptions,
     rows: BackwardRows,
+    entropy: bool = False,
 ) -> None:
-    """``out = (rows.uniform - rows.softmax_coef * p) * slope`` off the target lane and
-    ``rows.target_grad * slope`` on it: ``d_a`` of the logits ``logit`` forms from the raw dots
-    ``logits`` and ``bias`` (as `row_stats_into`), ``p`` their softmax, ``slope`` the softcap's.
+    """``out = (rows.uniform - p * (rows.softmax_coef + g_ent * (z - E[z]))) * slope`` off the
+    target lane and ``rows.target_grad * slope`` on it (`BackwardRows`; 0 on a row whose
+    coefficients are all 0): ``d_a`` of the logits ``logit`` forms from the raw dots ``logits``
+    and ``bias`` (as `row_stats_into`), ``p`` their softmax, ``slope`` the softcap's.
 
     ``rows`` (fp32 ``[rows]``, contiguous; its ``max``/``log_sumexp`` as in `lce.tp.GlobalStats`)
-    has its coefficients already times ``logit.dlogit_scale``; its entropy fields are not read.
-    ``out`` (``[rows, V_local]``, unit column stride) may be ``logits`` itself: each element is
-    read, then written, by the same thread.
+    has its coefficients already times ``logit.dlogit_scale``; its entropy fields are read only
+    with ``entropy`` (else ``g_ent`` is taken as 0). ``out`` (``[rows, V_local]``, unit column
+    stride) may be ``logits`` itself: each element is read, then written, by the same thread.
     """
     num_rows, vocab = logits.shape
     _row_dlogits_kernel[(num_rows,)](
         logits_ptr=logits, out_ptr=out, bias_ptr=bias, targets_ptr=targets, max_ptr=rows.max,
-        log_sumexp_ptr=rows.log_sumexp, coef_ptr=rows.softmax_coef,
+        log_sumexp_ptr=rows.log_sumexp, centred_mean_ptr=rows.centred_mean,
+        coef_ptr=rows.softmax_coef, grad_entropy_ptr=rows.grad_entropy,
         target_grad_ptr=rows.target_grad, uniform_ptr=rows.uniform, V=vocab,
         vocab_start=vocab_start, stride_lt=logits.stride(0), stride_ot=out.stride(0),
         BLOCK_V=_block_v(), BF16_INTERPRETED=interpreting() and out.dtype == torch.bfloat16,
-        num_warps=8, **map_args(logit, bias),
+        ENTROPY=entropy, num_warps=8, **map_args(logit, bias),
         # No FMA: each lane centred and rounded as the row statistics rounded it (see the backward
         # kernel).
         enable_fp_fusion=False,

@@ -3,7 +3,9 @@
 Forward: `forward_kernel` (one pass of logits tiles, online softmax). Backward: per vocab chunk,
 `backward_kernel` recomputes logits and writes d_logits, then two GEMMs (`lce.backends.gemm`)
 accumulate grad_hidden and write grad_weight in fp32 (grad_bias: the chunk's column sums). With
-``chunk_size`` both run per block of tokens. The 3-GEMM loss (`loss_grads_in_forward`): per token
+``chunk_size`` both run per block of tokens. With kept logits, the forward is a cuBLAS GEMM into
+them and `loss_kernels.row_stats_into`; the backward's d_logits come from them by
+`loss_kernels.row_dlogits`. The 3-GEMM loss (`loss_grads_in_forward`): per token
 chunk, a cuBLAS logits GEMM, the row kernels of `loss_kernels`, and the two gradient GEMMs.
 """
 
@@ -69,8 +71,10 @@ class TritonStages:
         targets: torch.Tensor,
         vocab_start: int,
         logit: LogitOptions,
+        kept: torch.Tensor | None = None,
     ) -> ShardStats:
-        """See `lce.backends.base.StageBackend.forward_stats` (sumexp_z centred on ``max``)."""
+        """See `lce.backends.base.StageBackend.forward_stats` (sumexp_z centred on ``max``).
+        With ``kept``: the dots by cuBLAS into it, then `row_stats_into` over them."""
         _check_operands(hidden, weight, targets)
         num_tokens, vocab_local = hidden.shape[0], weight.shape[0]
         if num_tokens == 0 or vocab_local == 0:
@@ -80,6 +84,13 @@ class TritonStages:
             empty[0] = float("-inf")
             return ShardStats(*empty.unbind(0))
         targets, bias = targets.contiguous(), _contiguous(bias)
+        if kept is not None:
+            stats = torch.empty(
+                len(fields(ShardStats)), num_tokens, dtype=torch.float32, device=hidden.device
+            )
+            mm_into(hidden, weight.T, out=kept)
+            row_stats_into(kept, bias, targets, vocab_start, logit, stats)
+            return ShardStats(*stats.unbind(0))
         blocks = []
         for rows in self._token_blocks(num_tokens):
             partials, split_cols = forward_partials(
@@ -103,10 +114,12 @@ class TritonStages:
         rows: BackwardRows,
         wanted: Wanted,
         grad_hidden_dtype: torch.dtype | None = None,
+        kept: torch.Tensor | None = None,
     ) -> Grads:
         """See `lce.backends.base.StageBackend.backward_grads` (grad_hidden comes back in
         ``grad_hidden_dtype`` when given). Workspace: one d_logits chunk, inside grad_weight's
-        rows not written yet where they hold it (`_dlogits_chunks`)."""
+        rows not written yet where they hold it (`_dlogits_chunks`), written by
+        `backward_kernel` (logits recomputed) or, from ``kept`` logits, by `row_dlogits`."""
         _check_operands(hidden, weight, targets)
         num_tokens, config = hidden.shape[0], self._config()
         blocks = self._token_blocks(num_tokens)
@@ -115,22 +128,32 @@ class TritonStages:
             return grads._replace(hidden=_result(grad_hidden))
         free_rows = grads.weight if len(blocks) == 1 and grads.weight is not None else None
         chunks = _dlogits_chunks(blocks[0].stop, weight, free_rows, config)
-        rows = BackwardRows(
-            *(s.float().contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
-            rows.softmax_coef.float(),
-            rows.grad_entropy.float(),
-            *(s.float().contiguous() for s in (rows.target_grad, rows.uniform)),
-        )
+        if kept is None:
+            rows = BackwardRows(
+                *(s.float().contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
+                rows.softmax_coef.float(),
+                rows.grad_entropy.float(),
+                *(s.float().contiguous() for s in (rows.target_grad, rows.uniform)),
+            )
+        else:
+            rows = _scaled(rows, logit.dlogit_scale)
         targets, bias = targets.contiguous(), _contiguous(bias)
         for block in blocks:
             block_hidden = hidden[block]
             for chunk, buffer in chunks:
                 d_logits = buffer[: block.stop - block.start]
-                dlogits_chunk(
-                    block_hidden, weight[chunk], None if bias is None else bias[chunk],
-                    targets[block], vocab_start + chunk.start, logit, select_rows(rows, block),
-                    d_logits, config,
-                )  # fmt: skip
+                bias_chunk = None if bias is None else bias[chunk]
+                block_rows, start = select_rows(rows, block), vocab_start + chunk.start
+                if kept is None:
+                    dlogits_chunk(
+                        block_hidden, weight[chunk], bias_chunk, targets[block], start, logit,
+                        block_rows, d_logits, config,
+                    )  # fmt: skip
+                else:
+                    row_dlogits(
+                        kept[block, chunk], d_logits, bias_chunk, targets[block], start, logit,
+                        block_rows, entropy=True,
+                    )  # fmt: skip
                 _accumulate(d_logits, block_hidden, weight, block, chunk, grads, grad_hidden)
         return grads._replace(hidden=_result(grad_hidden))
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import lce
 from lce.validation import HOST_CHECKS_ENV
@@ -112,11 +113,21 @@ def _lce_kwargs(call: Call) -> dict:
     property traces this under ``torch.compile(fullgraph=True)``, and asdict's ``copy.deepcopy``
     of each value is a graph break Dynamo before torch 2.13 does not trace."""
     options = {f.name: getattr(call.options, f.name) for f in fields(call.options)}
+    kept = _kept_logits_budget(call) if call.loss_path == "kept_logits" else 0
     return {
         **options, "bias": call.bias, "ignore_index": call.ignore_index,
         "tp_group": call.tp_group, "vocab_start": call.vocab_start, "backend": call.backend,
         "chunk_size": call.chunk_size, "reduce_grad_hidden": call.reduce_grad_hidden,
+        "keep_logits_bytes": kept,
     }  # fmt: skip
+
+
+def _kept_logits_budget(call: Call) -> int:
+    """The ``kept_logits`` path's ``keep_logits_bytes``: exactly this rank's ``[T, V_local]``
+    logits (the boundary: a byte less keeps none; at least 1, since 0 keeps none at all)."""
+    weight = call.weight
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    return max(1, call.targets.numel() * local.shape[0] * local.element_size())
 
 
 def lce_adapter(backends: tuple[str, ...] = BACKENDS) -> Adapter:

@@ -122,6 +122,8 @@ def _effective_path(spec: CaseSpec) -> str:
     what a fast-path bug needs to show). A row counting ``fast`` there reached none of its pairs:
     the in-place scaling of saved gradients lived through a campaign of such rows."""
     inert = spec.loss_path == "fast" and (spec.reduction == "none" or spec.grads == "none")
+    # kept logits serve a backward only: without a gradient nothing is kept
+    inert |= spec.loss_path == "kept_logits" and spec.grads == "none"
     return "default" if inert else spec.loss_path
 
 

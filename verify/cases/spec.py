@@ -77,9 +77,11 @@ def extent_sizes(extent: str, tp: int, vocab: int) -> dict[str, int]:
 # twice: retain_graph and a second backward (must give the same gradients)
 GRADS = ("both", "hidden", "weight", "none", "twice")
 BACKENDS = ("torch", "triton")
-# The scalar loss's paths in lce: 4 GEMMs, 3 GEMMs with an fp32 buffer of its own (fast=True), 3
-# GEMMs into a caller's main_grad (grad_weight_into; adapters report what main_grad gained).
-LOSS_PATHS = ("default", "fast", "main_grad")
+# lce's paths: the scalar loss's 4 GEMMs, 3 GEMMs with an fp32 buffer of its own (fast=True), 3
+# GEMMs into a caller's main_grad (grad_weight_into; adapters report what main_grad gained); and
+# for per-token outputs and the loss alike, the logits kept from forward to backward
+# (keep_logits_bytes: 3 GEMMs, the budget exactly this rank's logits).
+LOSS_PATHS = ("default", "fast", "main_grad", "kept_logits")
 # How the implementation receives the weight (and bias): plain tensors (this rank's rows), a
 # DTensor sharded Shard(0) over a 1-D mesh of the TP group (its rows split like torch.chunk: see
 # `shard_bounds`), or a DTensor replicated on that mesh (the whole head on every rank).

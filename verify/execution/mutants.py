@@ -59,8 +59,8 @@ class MutantStages:
             return getattr(self.inner, name)
         raise AttributeError(name)
 
-    def forward_stats(self, hidden, weight, bias, targets, vocab_start, logit) -> ShardStats:
-        stats = self.inner.forward_stats(hidden, weight, bias, targets, vocab_start, logit)
+    def forward_stats(self, hidden, weight, bias, targets, vocab_start, logit, *kept):
+        stats = self.inner.forward_stats(hidden, weight, bias, targets, vocab_start, logit, *kept)
         return self.bend_stats(stats, weight.shape[0], logit)
 
     def bend_stats(self, stats: ShardStats, vocab_local: int, logit) -> ShardStats:
@@ -161,6 +161,7 @@ class Bf16GradWeight(MutantStages):
     """grad_weight accumulated chunk by chunk in a bf16 buffer."""
 
     def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, rows, wanted, *dt):
+        grad_hidden_dtype, *kept = dt or (None,)  # kept logits: cut into the same chunks
         device = hidden.device
         grad_hidden = (
             torch.zeros(hidden.shape, dtype=torch.float32, device=device) if wanted.hidden else None
@@ -175,7 +176,7 @@ class Bf16GradWeight(MutantStages):
             r = slice(start, start + BUGGY_CHUNK)
             gh, gw, gb = self.inner.backward_grads(
                 hidden[r], weight, bias, targets[r], vocab_start, logit,
-                select_rows(rows, r), wanted, *dt,
+                select_rows(rows, r), wanted, grad_hidden_dtype, *(k[r] for k in kept),
             )  # fmt: skip
             if gh is not None:
                 grad_hidden = grad_hidden.to(gh.dtype)
@@ -185,6 +186,22 @@ class Bf16GradWeight(MutantStages):
             if gb is not None:
                 grad_bias += gb.float()
         return Grads(grad_hidden, None if grad_weight is None else grad_weight.float(), grad_bias)
+
+
+class KeptLogitsReused(MutantStages):
+    """The kept logits' buffer handed back after the first backward (zeroed here; a caching
+    allocator would hand it to the next tensor): a second backward (retain_graph) reads it."""
+
+    def backward_grads(self, *args):
+        grads = self.inner.backward_grads(*args)
+        kept = args[KEPT_ARG] if len(args) > KEPT_ARG else None
+        if kept is not None:  # as a kernel writes memory: no autograd version bump
+            kept.data.zero_()
+        return grads
+
+
+# `backward_grads`' positional argument that holds the kept logits (`lce.autograd.token_grads`).
+KEPT_ARG = 9
 
 
 class BiasGradDropped(MutantStages):
@@ -291,16 +308,16 @@ def _mean_over_all_rows(hidden, weight, targets, *, reduction="mean", **kwargs):
     return loss / targets.numel() if reduction == "mean" else loss
 
 
-def _ignored_not_zeroed(hidden, weight, bias, targets, plan):
+def _ignored_not_zeroed(hidden, weight, bias, targets, plan, *keep):
     clamped = torch.where(targets == plan.options.ignore_index, 0, targets)  # read as id 0
-    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, bias, clamped, plan)
+    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, bias, clamped, plan, *keep)
 
 
-def _cast_in_place(hidden, weight, bias, targets, plan):
+def _cast_in_place(hidden, weight, bias, targets, plan, *keep):
     if hidden.dtype != weight.dtype:
         with torch.no_grad():
             hidden.copy_(hidden.to(weight.dtype))  # the matmul cast, done on the caller's tensor
-    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, bias, targets, plan)
+    return _ORIGINAL_TOKEN_OUTPUTS(hidden, weight, bias, targets, plan, *keep)
 
 
 def _scaled_in_input_dtype(grad, factor, dtype):
@@ -443,6 +460,8 @@ MUTANTS: dict[str, Mutant] = {
                lambda: mock.patch.object(lce.autograd, "scaled_copy", _scaled_in_input_dtype)),
         Mutant("tp_partials_rounded", "partial grad_hidden rounded to bf16 (the GEMMs' dtype) "
                "before the TP sum", _round_tp_partials, min_tp=2),
+        Mutant("kept_logits_reused", "kept logits' buffer reused after the first backward "
+               "(a second backward reads it)", _wrap_stages(KeptLogitsReused)),
         Mutant("saved_grads_scaled_in_place",
                "fast loss: backward scales its saved gradients in place (twice on a 2nd backward)",
                lambda: mock.patch.object(lce.autograd, "scaled_copy", _scaled_in_place)),

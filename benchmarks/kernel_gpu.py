@@ -322,6 +322,17 @@ def lce_loss(hidden, weight, targets, mode):
     return lce.token_logprobs(hidden, weight, targets, backend="triton").logprobs
 
 
+def lce_kept_loss(hidden, weight, targets, mode):
+    """lce with a budget of exactly its ``[T, V]`` bf16 logits: kept for the backward."""
+    keep = targets.numel() * weight.shape[0] * weight.element_size()
+    if mode == "mean":
+        return lce.linear_cross_entropy(
+            hidden, weight, targets, backend="triton", keep_logits_bytes=keep
+        )
+    out = lce.token_logprobs(hidden, weight, targets, backend="triton", keep_logits_bytes=keep)
+    return out.logprobs
+
+
 def lce_fast_loss(hidden, weight, targets, mode):
     return lce.linear_cross_entropy(hidden, weight, targets, backend="triton", fast=True)
 
@@ -513,8 +524,9 @@ def triton_config_changed(**changes) -> Iterator[None]:
 
 
 def lce_scalar_rows(inp: dict, ref: dict) -> list[dict]:
-    """lce's other mean-loss rows: the fp32 grad_weight buffer, fast, main_grad; and the cuBLAS
-    GEMMs of the main_grad path alone, chunked as it runs them (no row kernels)."""
+    """lce's other rows: the mean loss with the fp32 grad_weight buffer, fast, main_grad; the
+    cuBLAS GEMMs of the main_grad path alone, chunked as it runs them (no row kernels); kept
+    logits, per-token and mean."""
     with triton_config_changed(grad_weight_fp32=True):
         name = "lce triton, fp32 grad_weight"
         rows = [measure(name, grads_of(lce_loss, inp, "mean"), ref, "mean")]
@@ -523,6 +535,9 @@ def lce_scalar_rows(inp: dict, ref: dict) -> list[dict]:
     run = main_grad_run(inp, main_grad)
     rows.append(measure(kernel_targets.LCE_MAIN_GRAD, run, ref, "mean", reset=main_grad.zero_))
     rows.append(measure(PATH_GEMMS, lambda: path_gemms(inp, main_grad), None, "mean"))
+    for mode in ("token", "mean"):
+        kept = grads_of(lce_kept_loss, inp, mode)
+        rows.append(measure(kernel_targets.LCE_KEPT, kept, ref, mode))
     return rows
 
 
@@ -733,8 +748,9 @@ def print_issue24_targets(result: dict, report: dict, unavailable: dict[str, str
 
 def print_issue33_targets(result: dict, report: dict, unavailable: dict[str, str]) -> None:
     """Issue 33's verdicts at one shape, printed and stored in ``report``."""
+    num_tokens, _, vocab = result["T_H_V"]
     verdicts, skipped = kernel_targets.judge_issue33(
-        result["rows"], result["grads_gib"], unavailable
+        result["rows"], result["grads_gib"], unavailable, kept_gib=num_tokens * vocab * 2 / GIB
     )
     report[f"issue33_targets_{result['shape']}"] = {
         "verdicts": [v.row() for v in verdicts],

@@ -16,6 +16,7 @@ STOCK = "stock PyTorch"
 GEMM = "1 bf16 GEMM"
 LCE_MAIN_GRAD = "lce triton, 3 GEMMs into main_grad"
 LCE_FAST = "lce triton, fast (3 GEMMs)"
+LCE_KEPT = "lce triton, kept logits (3 GEMMs)"
 CCE_COMPILE = "CCE torch_compile"
 LIGER_CUTE = "Liger CuTe (Hopper)"
 LIGER_CUTE_FLCE = "Liger CuTe FLCE (Hopper)"
@@ -118,14 +119,18 @@ def judge_issue24(
 
 
 def judge_issue33(
-    rows: list[dict], grads_gib: float, unavailable: dict[str, str] | None = None
+    rows: list[dict],
+    grads_gib: float,
+    unavailable: dict[str, str] | None = None,
+    kept_gib: float | None = None,
 ) -> tuple[list[Verdict], dict[str, str]]:
     """Issue 33's verdicts of one shape and the targets not judged with the reason (as
     `judge_issue24`). Scalar loss (``grad_weight_into``, ``fast``): <= 1.06x of 3 GEMMs, faster
     than CCE torch_compile, Liger's Hopper CuTe loss and QuACK. Per-token outputs and the
     default mean loss: <= 1.08x of 4 GEMMs, faster than Liger's per-token CuTe op and the stock
-    path, peak <= 1.15x the gradients. Forward <= 1.05x one GEMM. Errors no larger than the
-    stock path's everywhere."""
+    path, peak <= 1.15x the gradients. Forward <= 1.05x one GEMM. Kept logits (per-token and
+    mean): the scalar loss's targets, its peak within 1.5x the gradients plus the logits the
+    caller let it keep (``kept_gib``). Errors no larger than the stock path's everywhere."""
     gemm = min(r["ms"] for r in rows if r["method"] == GEMM and "ms" in r)
     judged = _Judged(rows, unavailable or {})
     judged.add("forward <= 1.05x one GEMM", lambda: (_row(rows, LCE, "fwd")["ms"] / gemm, 1.05))
@@ -139,6 +144,12 @@ def judge_issue33(
         judged.speed(name, LCE, mode, (4, gemm, 1.08), (LIGER_CUTE, STOCK))
         judged.peak(name, LCE, mode, grads_gib, 1.15)
         judged.errors(name, LCE, mode)
+    peers = (CCE_COMPILE, LIGER_CUTE_FLCE, QUACK, LIGER_CUTE, STOCK)
+    for name, mode in (("kept logits, per-token", "token"), ("kept logits, mean", "mean")):
+        judged.speed(name, LCE_KEPT, mode, (3, gemm, 1.06), peers)
+        if kept_gib is not None:
+            judged.peak(name, LCE_KEPT, mode, grads_gib, round(1.5 + kept_gib / grads_gib, 2))
+        judged.errors(name, LCE_KEPT, mode)
     return judged.verdicts, judged.skipped
 
 

@@ -63,6 +63,7 @@ class Step:
 # host sync under sync-debug "error" and CUDA-graph replay of every path: tests that need CUDA.
 KERNEL_TESTS = (
     "tests/lce/test_triton_stages.py",
+    "tests/lce/test_kept_logits.py",
     "tests/lce/test_compile.py",
     "tests/lce/test_cuda_hot_path.py",
 )

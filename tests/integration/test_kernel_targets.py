@@ -117,3 +117,25 @@ def test_issue33_verdicts_of_the_issue_table() -> None:
     assert skipped["fast faster than QuACK chunked"] == "QuACK chunked raised ValueError: m == n"
     # fast's peak is no issue-33 target (its fp32 buffer is issue 24's).
     assert not any(name.startswith("fast peak") for name in {**judged, **skipped})
+
+
+def test_issue33_kept_logits_verdicts_take_the_scalar_loss_targets_and_the_budget() -> None:
+    # The November H100 run's kept-logits rows at llama3-8k (38.2 ms per-token, 3.00 GiB).
+    kept_gib = 8192 * 128256 * 2 / 2**30
+    rows = [
+        *ISSUE33_ROWS,
+        _row(kernel_targets.LCE_KEPT, "token", 38.2, 3.00, 2.35e-3, 2.34e-3),
+        _row(kernel_targets.LCE_KEPT, "mean", 38.5, 3.00, 1.66e-3, 1.66e-3),
+    ]
+    verdicts, skipped = kernel_targets.judge_issue33(rows, GRADS_GIB, kept_gib=kept_gib)
+    judged = {v.target: v for v in verdicts}
+    speed = judged["kept logits, per-token <= 1.06x of 3 GEMMs"]
+    assert speed.measured == pytest.approx(38.2 / (3 * 11.28)) and not speed.met
+    assert judged["kept logits, per-token faster than stock PyTorch"].met  # 38.2 vs 51.2 ms
+    assert not judged["kept logits, mean faster than CCE torch_compile"].met  # 38.5 vs 37.7
+    peak = judged[f"kept logits, per-token peak <= {1.5 + kept_gib / GRADS_GIB:.2f}x the gradients"]
+    assert peak.limit == pytest.approx(1.5 + kept_gib / GRADS_GIB, abs=0.01)
+    assert judged["kept logits, mean gx error <= stock PyTorch's (x1.02)"].met
+    # Liger's CuTe FLCE is a mean-only peer: the per-token row is compared with its mean row.
+    assert "kept logits, per-token faster than Liger CuTe FLCE (Hopper)" in judged
+    assert not skipped.keys() & judged.keys()

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from lce.backends.base import Wanted
-from lce.call import Call, encode_call
+from lce.call import Call, encode_call, keeps_logits
 from lce.dtensor import local_call
 from lce.grad_buffer import check_grad_buffer
 from lce.ops import IntoGradBuffer  # importing lce.ops registers torch.ops.lce
-from lce.options import LCEOptions, LogitOptions
+from lce.options import LCEOptions, LogitOptions, require_at_least
 from lce.tp import agree_on_call, usable_group
 from lce.validation import check_flag, check_inputs, check_reduction
 
@@ -90,10 +90,12 @@ def token_logprobs(
         dict(
             ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
             reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
-            keep_logits_bytes=keep_logits_bytes,
         ),
+        keep_logits_bytes=keep_logits_bytes,
     )  # fmt: skip
-    call = Call("tokens", options, wanted=_wanted(hidden, weight, bias))
+    wanted = _wanted(hidden, weight, bias)
+    keep = _keeps("tokens", wanted, targets, weight, keep_logits_bytes)
+    call = Call("tokens", options, wanted=wanted, keep_logits=keep)
     outputs = torch.ops.lce.fused(hidden, weight, bias, targets, encode_call(call))
     return TokenOutputs(outputs[0], outputs[1])
 
@@ -162,13 +164,13 @@ def linear_cross_entropy(
         dict(
             ignore_index=ignore_index, tp_group=tp_group, vocab_start=vocab_start,
             reduce_grad_hidden=reduce_grad_hidden, backend=backend, chunk_size=chunk_size,
-            keep_logits_bytes=keep_logits_bytes,
         ),
-        reduction, return_z_loss,
+        reduction, return_z_loss, keep_logits_bytes,
     )  # fmt: skip
     wanted = _wanted(hidden, weight, bias)
     route = _loss_route(wanted, reduction, fast, grad_weight_into is not None)
-    call = Call(route, options, reduction, wanted, assumed_loss_grad)
+    keep = _keeps(route, wanted, targets, weight, keep_logits_bytes)
+    call = Call(route, options, reduction, wanted, assumed_loss_grad, keep)
     text = encode_call(call)
     if route == "into":
         check_grad_buffer(grad_weight_into, weight, assumed_loss_grad)
@@ -188,6 +190,15 @@ def _loss_route(wanted: Wanted, reduction: str, fast: bool, into: bool) -> str:
     return "loss"
 
 
+def _keeps(
+    route: str, wanted: Wanted, targets: torch.Tensor, weight: torch.Tensor, budget: int
+) -> bool:
+    """`lce.call.keeps_logits` for this rank's logits in weight's dtype."""
+    return keeps_logits(
+        route, wanted, targets.numel(), weight.shape[0], weight.element_size(), budget
+    )
+
+
 def _wanted(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Wanted:
     """The gradients this call's backward computes (none outside grad mode)."""
     grad_mode = torch.is_grad_enabled()
@@ -205,6 +216,7 @@ def _checked_options(
     settings: dict[str, object],
     reduction: str = "none",
     return_z_loss: bool = False,
+    keep_logits_bytes: int = 0,
 ) -> LCEOptions:
     """The call's options, its arguments checked: ``logit`` holds the `LogitOptions` fields,
     ``settings`` the other `LCEOptions` fields. Every rejected argument raises on every rank of
@@ -214,6 +226,7 @@ def _checked_options(
         options = LCEOptions(logit=LogitOptions(**logit), **settings)
         check_reduction(reduction)
         check_flag("return_z_loss", return_z_loss)
+        require_at_least("keep_logits_bytes", keep_logits_bytes, 0, "a memory budget, 0: none")
         check_inputs(hidden, weight, targets, bias)
     except (TypeError, ValueError) as error:
         if group is not None:

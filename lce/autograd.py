@@ -47,7 +47,7 @@ def token_statistics(
 
     Also what `token_grads` saves: the kernel ids (`kernel_ids`), the `GlobalStats` stacked
     ``[8, T]`` and, with ``keep_logits``, the raw dots ``[T, V_local]`` in weight's dtype the
-    statistics came from (`lce.call.Call.keeps_logits`).
+    statistics came from (`lce.call.keeps_logits`).
     """
     ignore_index, shard, logit = plan.options.ignore_index, plan.shard, plan.options.logit
     ignored, kernel_targets = kernel_ids(targets, ignore_index)
@@ -133,13 +133,9 @@ def tokens_forward(
     `token_statistics` saves."""
     stats, saved = token_statistics(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan,
-        _keeps_logits(call, targets, weight),
+        call.keep_logits,
     )  # fmt: skip
     return [stats[0].view(targets.shape), stats[1].view(targets.shape), *saved]
-
-
-def _keeps_logits(call: Call, targets: torch.Tensor, weight: torch.Tensor) -> bool:
-    return call.keeps_logits(targets.numel(), weight.shape[0], weight.element_size())
 
 
 def tokens_backward(
@@ -169,7 +165,7 @@ def loss_forward(
     then what `token_statistics` saves."""
     (logprob, _, lse, smooth), saved = token_statistics(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), plan,
-        _keeps_logits(call, targets, weight),
+        call.keep_logits,
     )  # fmt: skip
     loss, z_term = token_loss(logprob, lse, smooth, plan.options.logit)
     if z_term is None:

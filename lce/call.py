@@ -40,14 +40,27 @@ class Call:
     wanted: Wanted = NO_GRADS  # gradients of hidden, weight, bias
     assumed_loss_grad: float = 1.0  # the `into` route's assumed upstream
 
-    def keeps_logits(self, tokens: int, vocab_local: int, itemsize: int) -> bool:
-        """Whether this call's forward keeps this rank's ``[tokens, vocab_local]`` logits (of
-        ``itemsize`` bytes each) for its backward: a route that recomputes them (``tokens``,
-        ``loss``), a gradient wanted, and the logits within ``options.keep_logits_bytes``."""
-        if self.route not in ("tokens", "loss") or not any(self.wanted):
-            return False
-        budget = self.options.keep_logits_bytes
-        return budget > 0 and tokens * vocab_local * itemsize <= budget
+    keep_logits: bool = False  # the forward keeps the logits for the backward (`keeps_logits`)
+
+
+def keeps_logits(
+    route: str, wanted: Wanted, tokens: int, vocab_local: int, itemsize: int, budget: int
+) -> bool:
+    """Whether a call keeps this rank's ``[tokens, vocab_local]`` logits (``itemsize`` bytes
+    each) from its forward for its backward: a route that recomputes them (``tokens``, ``loss``),
+    a gradient wanted, and the logits within the caller's ``budget`` (``keep_logits_bytes``).
+
+    Decided before the op, so the op and its fake read one flag: under torch.compile a budget
+    computed from a symbolic token count stays symbolic, and only this comparison (a guard, or
+    none where it holds for every size) reaches the graph, not the budget itself.
+    """
+    if route not in ("tokens", "loss") or not any(wanted) or budget <= 0:
+        return False
+    # A branch, not bool(): Dynamo evaluates a symbolic comparison it branches on (bool() of
+    # one stays symbolic, and a symbolic value cannot be written into the call's text).
+    if tokens * vocab_local * itemsize <= budget:  # noqa: SIM103 (see above)
+        return True
+    return False
 
 
 def encode_call(call: Call) -> str:
@@ -59,6 +72,7 @@ def encode_call(call: Call) -> str:
         "reduction": call.reduction,
         "wanted": tuple(bool(flag) for flag in call.wanted),
         "assumed_loss_grad": float(call.assumed_loss_grad),
+        "keep_logits": bool(call.keep_logits),
         "group": None if group is None else group.group_name,
         "logit": {name: getattr(options.logit, name) for name in _LOGIT_FIELDS},
         "options": {name: getattr(options, name) for name in _OTHER_FIELDS},
@@ -78,6 +92,7 @@ def decode_call(text: str) -> Call:
         reduction=plain["reduction"],
         wanted=Wanted(*plain["wanted"]),
         assumed_loss_grad=plain["assumed_loss_grad"],
+        keep_logits=plain["keep_logits"],
     )
 
 

@@ -147,7 +147,7 @@ def fake_outputs(
     if call.route in ("tokens", "loss"):
         stats = hidden.new_empty((len(GlobalStats.__dataclass_fields__), tokens), dtype=acc)
         saved = [*outputs, hidden.new_empty((tokens,), dtype=torch.int64), stats]
-        if call.keeps_logits(tokens, vocab, weight.element_size()):
+        if call.keep_logits:
             saved.append(weight.new_empty((tokens, vocab)))
         return saved
     kept = (

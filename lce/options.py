@@ -91,25 +91,20 @@ class LCEOptions:
     reduce_grad_hidden: bool = True
     backend: str = "auto"
     chunk_size: int | None = None
-    keep_logits_bytes: int = 0
 
     def __post_init__(self) -> None:
         _require_int("ignore_index", self.ignore_index, "the label of ignored tokens, e.g. -100")
         if not isinstance(self.logit, LogitOptions):
             raise TypeError(f"logit must be an lce.LogitOptions, got {type(self.logit).__name__}")
         if self.vocab_start is not None:
-            _require_at_least("vocab_start", self.vocab_start, 0, "this rank's first global id")
+            require_at_least("vocab_start", self.vocab_start, 0, "this rank's first global id")
         if not isinstance(self.reduce_grad_hidden, bool):
             raise TypeError(
                 f"reduce_grad_hidden must be True or False, got {self.reduce_grad_hidden!r}"
             )
         if self.chunk_size is not None:
-            _require_at_least("chunk_size", self.chunk_size, 1, "tokens per chunk, or None")
-        _require_at_least(
-            "keep_logits_bytes", self.keep_logits_bytes, 0,
-            "bytes of logits the forward may keep for the backward; 0 keeps none",
-        )  # fmt: skip
-        for name in ("ignore_index", "vocab_start", "chunk_size", "keep_logits_bytes"):
+            require_at_least("chunk_size", self.chunk_size, 1, "tokens per chunk, or None")
+        for name in ("ignore_index", "vocab_start", "chunk_size"):  # plain ints (`lce.call`)
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 
@@ -119,7 +114,9 @@ def _require_int(name: str, value: object, meaning: str) -> None:
         raise TypeError(f"{name} must be an int ({meaning}), got {type(value).__name__} {value!r}")
 
 
-def _require_at_least(name: str, value: object, minimum: int, meaning: str) -> None:
+def require_at_least(name: str, value: object, minimum: int, meaning: str) -> None:
+    """``value`` an int (a symbolic one under torch.compile too) >= ``minimum``, else an error
+    naming ``name`` and what it means."""
     _require_int(name, value, meaning)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum} ({meaning}), got {value}")

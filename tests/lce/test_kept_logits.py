@@ -15,7 +15,7 @@ import torch
 import lce
 from lce.backends import torch_chunked
 from lce.backends.base import Wanted
-from lce.call import Call, encode_call
+from lce.call import Call, encode_call, keeps_logits
 from lce.options import LCEOptions
 from tests.helpers.checks import BACKENDS, DTYPES, assert_within_tolerance, core_problem
 from verify.numerics.reference import Upstream, baseline, reference
@@ -85,10 +85,11 @@ def test_kept_route_matches_the_reference(backend, dtypes):
 BOTH = Wanted(True, True)
 
 
-def _saved_count(hidden, weight, keep, route="tokens", wanted=BOTH):
-    options = LCEOptions(backend="torch", keep_logits_bytes=keep)
+def _saved_count(hidden, weight, budget, route="tokens", wanted=BOTH):
+    size = (hidden.shape[0], weight.shape[0], weight.element_size())
+    keep = keeps_logits(route, wanted, *size, budget)
     targets = torch.zeros(hidden.shape[0], dtype=torch.long)
-    call = encode_call(Call(route, options, wanted=wanted))
+    call = encode_call(Call(route, LCEOptions(backend="torch"), wanted=wanted, keep_logits=keep))
     return len(torch.ops.lce.fused(hidden, weight, None, targets, call))
 
 
@@ -149,3 +150,24 @@ def test_a_bad_budget_names_the_argument(value, error, match):
     with pytest.raises(error, match=match):
         targets = torch.zeros(T, dtype=torch.long)
         lce.token_logprobs(hidden, weight, targets, keep_logits_bytes=value)
+
+
+def test_a_budget_from_a_symbolic_token_count_compiles():
+    """Found by the harness's compiled property on an H100: a budget computed from the inputs'
+    shape is symbolic once Dynamo makes the token count dynamic, and it used to travel in the op's
+    call string (a graph constant), which Dynamo cannot write (a graph break under fullgraph)."""
+    weight = torch.randn(V, H, requires_grad=True)
+
+    def step(hidden, targets):
+        budget = hidden.shape[0] * weight.shape[0] * weight.element_size()
+        out = lce.token_logprobs(hidden, weight, targets, backend="torch", keep_logits_bytes=budget)
+        return (out.logprobs * torch.arange(hidden.shape[0])).sum() + out.entropy.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for tokens in (5, 7, 9):  # the second size makes the token count dynamic
+        hidden = torch.randn(tokens, H, requires_grad=True)
+        targets = torch.randint(0, V, (tokens,))
+        got = torch.autograd.grad(compiled(hidden, targets), (hidden, weight))
+        expected = torch.autograd.grad(step(hidden, targets), (hidden, weight))
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)

@@ -6,6 +6,7 @@ Each case appends ``{"case", "passed", "detail"}`` rows; the worker writes its r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 import warnings
@@ -81,6 +82,44 @@ def case_fused_map(rows: Rows) -> None:
     out = output_layer_logprobs(hidden.detach(), layer, labels, options=options)
     rows.close("fused-map logprobs", out.logprobs[0], ref.logprobs)
     rows.close("fused-map entropy", out.entropy[0], ref.entropy)
+    _case_kept_logits(rows, layer, options)
+
+
+def _case_kept_logits(rows: Rows, layer: torch.nn.Module, options: Any) -> None:
+    """The per-token path with ``keep_logits_bytes``: its gradients, and the logits computed
+    once (by the forward's keeping GEMM, none recomputed in backward)."""
+    from lce.backends import torch_chunked
+    from lce.megatron import output_layer_logprobs
+
+    kept = dataclasses.replace(options, keep_logits_bytes=1 << 30)
+    computed = {"_logits": 0, "_kept_dots": 0}
+    originals = {name: getattr(torch_chunked, name) for name in computed}
+
+    def counting(name: str) -> Any:
+        def run(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+            computed[name] += hidden.shape[0]
+            return originals[name](hidden, *args)
+
+        return run
+
+    hidden, labels, g = _megatron_layout()
+    layer.weight.grad = None
+    try:
+        for name in computed:
+            setattr(torch_chunked, name, counting(name))
+        out = output_layer_logprobs(hidden, layer, labels, options=kept)
+        (out.logprobs * g).sum().backward()
+    finally:
+        for name, original in originals.items():
+            setattr(torch_chunked, name, original)
+    ref = reference(PROBLEM, with_bias=False, **MAP)
+    grad_hidden, grad_weight, _ = ref.grads((PROBLEM.g_loss * ref.logprobs).sum())
+    rows.close("kept-logits logprobs", out.logprobs[0], ref.logprobs)
+    rows.close("kept-logits grad_hidden", hidden.grad[:, 0], grad_hidden)
+    rows.close("kept-logits grad_weight", layer.weight.grad, _local(grad_weight))
+    tokens = labels.numel()
+    rows.check("kept-logits computed once", computed == {"_logits": 0, "_kept_dots": tokens},
+               f"rows of logits computed: {computed}, {tokens} tokens")  # fmt: skip
 
 
 def case_fallback_applies_the_map(rows: Rows) -> None:

@@ -31,8 +31,9 @@ def test_megatron_applies_the_options_or_falls_back(tmp_path: Path) -> None:
         row for rank in range(2) for row in json.loads((tmp_path / f"rank{rank}.json").read_text())
     ]
     cases = {row["case"] for row in rows}
-    for expected in ("fused-map grad_weight", "fallback-map loss", "mup-readout",
-                     "loss-override", "loss-override logprobs", "warnings"):  # fmt: skip
+    for expected in ("fused-map grad_weight", "kept-logits computed once", "fallback-map loss",
+                     "mup-readout", "loss-override", "loss-override logprobs",
+                     "warnings"):  # fmt: skip
         assert expected in cases, f"case {expected} did not run"
     failed = [f"{row['case']}: {row['detail']}" for row in rows if not row["passed"]]
     assert not failed, "\n".join(failed)

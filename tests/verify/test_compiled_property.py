@@ -63,6 +63,30 @@ def test_a_fake_implementation_that_drops_the_batch_dims_fails(monkeypatch):
     assert check_case(SPECS[0], properties=["differential"])  # eager still runs it
 
 
+def test_a_size_dependent_bug_fails_on_a_fresh_cache(monkeypatch):
+    """A bug that shows only under symbolic sizes fails on the case itself, not only after an
+    earlier example of another size made Dynamo's graph dynamic: here lce's keep decision
+    returned as a comparison (symbolic under compile, so it cannot be written into the op's call
+    text), as 2960a6a's first version did. Every size is marked dynamic, so the verdict, and the
+    artifact's replay in a fresh process, depend on the case alone."""
+    import lce.api
+
+    def symbolic(route, wanted, tokens, vocab_local, itemsize, budget):
+        return route in ("tokens", "loss") and tokens * vocab_local * itemsize <= budget
+
+    spec = CaseSpec(tokens=5, vocab=13, seed=1, loss_path="kept_logits", upstream="random")
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    monkeypatch.setattr(lce.api, "keeps_logits", symbolic)
+    try:
+        verdicts = check_case(spec, properties=["compiled"])  # the first example compiled
+    finally:
+        torch._dynamo.reset()
+    failed = [v for v in verdicts if not v.passed]
+    assert [v.output for v in failed] == ["status"], [v.line() for v in verdicts]
+    assert "under torch.compile" in failed[0].detail
+
+
 def _materialized_loss(hidden, weight, targets, *, reduction="mean"):
     return torch.nn.functional.cross_entropy(hidden @ weight.T, targets, reduction=reduction)
 

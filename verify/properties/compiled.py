@@ -2,8 +2,10 @@
 gives in eager, within the tiers of the differential property, forward and backward.
 
 For implementations that claim compile support on the spec's backend (`Capabilities.compiles`).
-The worker compiles the adapter's callables once per process (Dynamo's automatic dynamic shapes:
-after a size's second value its graph takes any; a new dtype or option value recompiles), runs
+The worker compiles the adapter's callables once per process, every size of the call's tensors
+marked dynamic from the first example (sizes 0 and 1 excepted, which Dynamo specializes), so a
+verdict never depends on the sizes earlier examples compiled (a new dtype or option value
+recompiles), runs
 the case through them as `verify.execution.execute` runs any case, and the compiled run is judged
 like an eager one: against R and B with the spec's tiers, plus a flag saying whether it equals the
 eager run bit for bit (an opaque custom op, lce's, should). A graph break (``fullgraph`` raises
@@ -14,6 +16,7 @@ content seeded on the host) is not traceable; lce's tests compile that path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -127,5 +130,21 @@ def compiled_adapter(adapter: Adapter, device: torch.device) -> Adapter:
         key = (adapter.ref or adapter.name, name, device.type)
         if fn is not None and key not in _COMPILED:
             _COMPILED[key] = torch.compile(fn, backend=compiler, fullgraph=True)
-        functions[name] = None if fn is None else _COMPILED[key]
+        functions[name] = None if fn is None else _sizes_dynamic(_COMPILED[key])
     return replace(adapter, refusals=(), **functions)
+
+
+def _sizes_dynamic(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with every dimension of the call's tensors marked dynamic (sizes 0 and 1 stay
+    Dynamo's specializations): every case meets the graph that other sizes of the same dimension
+    would bring, whichever sizes this process compiled before, so a verdict depends on the case
+    alone and its artifact replays in a fresh process. (lce once wrote a budget computed from the
+    sizes into its op's call text: it failed only once an earlier example had another size.)"""
+
+    def run(call: Any, *args: Any) -> Any:
+        for tensor in (call.hidden, call.weight, call.targets, call.bias):
+            for dim in range(0 if tensor is None else tensor.dim()):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return fn(call, *args)
+
+    return run

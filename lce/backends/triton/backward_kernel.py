@@ -22,6 +22,7 @@ from lce.backends.triton.tiles import (
     logits_tile,
     logits_tile_tma,
     round_bf16_rne,
+    softmax_dz,
 )
 from lce.options import LogitOptions
 
@@ -110,8 +111,9 @@ def _dlogits_kernel(
     # relative to the lane's distance from the max): scaling first and subtracting the rounded
     # max z left ~2^-24 |z| in p that the forward's log-sum-exp did not share (shift-variant).
     centred = (acc - row_max[:, None]) * centred_scale
-    p = tl.exp(centred - log_sumexp[:, None])
-    d_z = -p * (coef[:, None] + g_ent[:, None] * (centred - centred_mean[:, None]))
+    d_z = softmax_dz(
+        centred, log_sumexp[:, None], coef[:, None], g_ent[:, None], centred_mean[:, None], True
+    )
     # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed.
     active = (coef != 0.0) | (g_ent != 0.0) | (target_grad != 0.0)
     if SMOOTHING:

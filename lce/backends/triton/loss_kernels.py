@@ -15,7 +15,7 @@ import triton.language as tl
 from lce.backends.base import BackwardRows
 from lce.backends.triton.config import interpreting
 from lce.backends.triton.operands import map_args
-from lce.backends.triton.tiles import logit_map, round_bf16_rne
+from lce.backends.triton.tiles import logit_map, round_bf16_rne, softmax_dz
 from lce.options import LogitOptions
 
 BLOCK_V = 2048  # 8 warps: 8 elements per thread per step
@@ -240,6 +240,8 @@ def _row_dlogits_kernel(
     if SMOOTHING:
         uniform = tl.load(uniform_ptr + row)
         active |= uniform != 0.0
+    centred_mean = 0.0
+    g_ent = 0.0
     if ENTROPY:
         centred_mean = tl.load(centred_mean_ptr + row)
         g_ent = tl.load(grad_entropy_ptr + row)
@@ -252,10 +254,7 @@ def _row_dlogits_kernel(
         )
         # Centred before the scale, as the statistics were (`ShardStats`): no rounding at |z|.
         centred = (acc - row_max) * centred_scale
-        if ENTROPY:
-            d = -tl.exp(centred - log_sumexp) * (coef + g_ent * (centred - centred_mean))
-        else:
-            d = -coef * tl.exp(centred - log_sumexp)
+        d = softmax_dz(centred, log_sumexp, coef, g_ent, centred_mean, ENTROPY)
         if SMOOTHING:
             d += uniform
         d = tl.where(offs == local_target, target_grad, d) * slope

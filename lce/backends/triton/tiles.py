@@ -164,3 +164,17 @@ def logit_map(acc, bias, cap_scale, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexp
         acc = accurate_tanh(acc * cap_scale)
         slope = (1.0 - acc) * (1.0 + acc)
     return acc, slope
+
+
+@triton.jit
+def softmax_dz(centred, log_sumexp, coef, g_ent, centred_mean, ENTROPY: tl.constexpr):
+    """``d_z`` off the target lane, before label smoothing's uniform term
+    (`lce.backends.base.BackwardRows`):
+    ``-p (coef + g_ent (c - centred_mean))`` with ``p = exp(c - log_sumexp)`` of the centred
+    lane ``c``; without ``ENTROPY``, ``-p coef`` (``g_ent`` and ``centred_mean`` unread). Both
+    d_logits kernels, the tiled one and the rows over materialized logits, form it here."""
+    p = tl.exp(centred - log_sumexp)
+    d_z = -p * coef
+    if ENTROPY:
+        d_z = -p * (coef + g_ent * (centred - centred_mean))
+    return d_z

@@ -88,30 +88,15 @@ def case_fused_map(rows: Rows) -> None:
 def _case_kept_logits(rows: Rows, layer: torch.nn.Module, options: Any) -> None:
     """The per-token path with ``keep_logits_bytes``: its gradients, and the logits computed
     once (by the forward's keeping GEMM, none recomputed in backward)."""
-    from lce.backends import torch_chunked
     from lce.megatron import output_layer_logprobs
+    from tests.helpers.logit_rows import logit_rows_computed
 
     kept = dataclasses.replace(options, keep_logits_bytes=1 << 30)
-    computed = {"_logits": 0, "_kept_dots": 0}
-    originals = {name: getattr(torch_chunked, name) for name in computed}
-
-    def counting(name: str) -> Any:
-        def run(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-            computed[name] += hidden.shape[0]
-            return originals[name](hidden, *args)
-
-        return run
-
     hidden, labels, g = _megatron_layout()
     layer.weight.grad = None
-    try:
-        for name in computed:
-            setattr(torch_chunked, name, counting(name))
+    with logit_rows_computed() as computed:
         out = output_layer_logprobs(hidden, layer, labels, options=kept)
         (out.logprobs * g).sum().backward()
-    finally:
-        for name, original in originals.items():
-            setattr(torch_chunked, name, original)
     ref = reference(PROBLEM, with_bias=False, **MAP)
     grad_hidden, grad_weight, _ = ref.grads((PROBLEM.g_loss * ref.logprobs).sum())
     rows.close("kept-logits logprobs", out.logprobs[0], ref.logprobs)

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import lce
-from lce.backends import torch_chunked
 from lce.backends.base import Wanted
 from lce.call import Call, encode_call, keeps_logits
 from lce.options import LCEOptions
 from tests.helpers.checks import BACKENDS, DTYPES, assert_within_tolerance, core_problem
+from tests.helpers.logit_rows import logit_rows_computed
 from verify.numerics.reference import Upstream, baseline, reference
 
 T, H, V = 37, 40, 97
@@ -103,28 +103,21 @@ def test_the_budget_keeps_exactly_this_ranks_logits():
     assert _saved_count(hidden, weight, need, wanted=Wanted(False, False)) == 4  # no backward
 
 
-def test_kept_logits_are_not_recomputed_and_survive_a_second_backward(monkeypatch):
+def test_kept_logits_are_not_recomputed_and_survive_a_second_backward():
     """The forward's GEMMs alone compute logits (into the kept buffer); two backwards
     (retain_graph) agree exactly."""
     problem = core_problem(T, H, V, seed=13, upstream="random")
-    rows = {"_logits": 0, "_kept_dots": 0}
-    for name in rows:
-        original = getattr(torch_chunked, name)
-
-        def spy(hidden, *args, _name=name, _original=original):
-            rows[_name] += hidden.shape[0]
-            return _original(hidden, *args)
-
-        monkeypatch.setattr(torch_chunked, name, spy)
     hidden, weight, bias, targets = _leaves(problem, "cpu")
-    loss = lce.linear_cross_entropy(
-        hidden, weight, targets, bias=bias, backend="torch", chunk_size=8, label_smoothing=0.1,
-        z_loss=1e-3, keep_logits_bytes=_budget(hidden, weight), **OPTIONS,
-    )  # fmt: skip
-    assert rows == {"_logits": 0, "_kept_dots": T}  # every token's logits once, kept
-    first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
-    second = torch.autograd.grad(loss, (hidden, weight, bias))
-    assert rows == {"_logits": 0, "_kept_dots": T}  # no backward recomputed them
+    with logit_rows_computed() as rows:
+        loss = lce.linear_cross_entropy(
+            hidden, weight, targets, bias=bias, backend="torch", chunk_size=8,
+            label_smoothing=0.1, z_loss=1e-3, keep_logits_bytes=_budget(hidden, weight),
+            **OPTIONS,
+        )  # fmt: skip
+        assert rows == {"_logits": 0, "_kept_dots": T}  # every token's logits once, kept
+        first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
+        second = torch.autograd.grad(loss, (hidden, weight, bias))
+        assert rows == {"_logits": 0, "_kept_dots": T}  # no backward recomputed them
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b) and a.abs().sum() > 0
 

@@ -39,7 +39,6 @@ class Call:
     reduction: str = "none"
     wanted: Wanted = NO_GRADS  # gradients of hidden, weight, bias
     assumed_loss_grad: float = 1.0  # the `into` route's assumed upstream
-
     keep_logits: bool = False  # the forward keeps the logits for the backward (`keeps_logits`)
 
 

@@ -192,16 +192,14 @@ class KeptLogitsReused(MutantStages):
     """The kept logits' buffer handed back after the first backward (zeroed here; a caching
     allocator would hand it to the next tensor): a second backward (retain_graph) reads it."""
 
-    def backward_grads(self, *args):
-        grads = self.inner.backward_grads(*args)
-        kept = args[KEPT_ARG] if len(args) > KEPT_ARG else None
-        if kept is not None:  # as a kernel writes memory: no autograd version bump
-            kept.data.zero_()
+    def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, rows, wanted, *dt):
+        grads = self.inner.backward_grads(
+            hidden, weight, bias, targets, vocab_start, logit, rows, wanted, *dt
+        )
+        _, *kept = dt or (None,)  # after grad_hidden's dtype, as in `Bf16GradWeight`
+        for logits in kept:  # as a kernel writes memory: no autograd version bump
+            logits.data.zero_()
         return grads
-
-
-# `backward_grads`' positional argument that holds the kept logits (`lce.autograd.token_grads`).
-KEPT_ARG = 9
 
 
 class BiasGradDropped(MutantStages):

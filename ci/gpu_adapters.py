@@ -3,8 +3,10 @@
     python ci/gpu_adapters.py --out DIR [--impl liger --impl cce ...] [--profile nightly]
                               [--minutes 2] [--total-minutes 5]
 
-Defaults: ``liger``, ``cce``, ``cce-exact`` and ``verl`` on a CUDA machine (verl: installed with
-``pip install --no-deps verl`` or named by ``VERL_PATH``; with two GPUs also at TP = 2 over NCCL);
+Defaults: ``liger``, ``cce``, ``cce-exact``, ``verl`` and the issue-33 benchmark's peers
+(``cce-compile``, ``liger-cute``, ``liger-cute-flce``, ``quack``) on a CUDA machine (verl:
+installed with ``pip install --no-deps verl`` or named by ``VERL_PATH``; with two GPUs also at
+TP = 2 over NCCL);
 ``torch`` and ``lce-torch`` on a CPU machine (so the script itself is known to work anywhere).
 ``--minutes`` is each implementation's time budget; ``--total-minutes`` bounds the whole run:
 each implementation then gets at most its part of the time left less `STARTUP_S` (peers
@@ -34,7 +36,8 @@ from verify.results.artifacts import device_description, versions
 from verify.running.campaign import run_campaign
 from verify.running.config import CampaignConfig
 
-GPU_DEFAULT = ("liger", "cce", "cce-exact", "verl")
+GPU_DEFAULT = ("liger", "cce", "cce-exact", "verl", "cce-compile", "liger-cute", "liger-cute-flce",
+               "quack")  # fmt: skip
 # Measured since the search stops inside its batch: Liger took 64 s on a 50 s budget on an H100
 # (kernel compiles for the first shapes, and the process start).
 STARTUP_S = 25.0

@@ -168,8 +168,9 @@ def _add_impl_option(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--impl",
         default=None,
-        help=f"{what}: lce, lce-torch, lce-triton, torch, liger, cce, cce-exact or module:function"
-        " (see docs/verify-your-kernel.md)",
+        help=f"{what}: a built-in name (lce, lce-torch, lce-triton, torch, liger, liger-cute, "
+        "liger-cute-flce, cce, cce-exact, cce-compile, quack, verl, verl-fp32; "
+        "verify.adapters.registry.names()) or module:function (see docs/verify-your-kernel.md)",
     )
 
 

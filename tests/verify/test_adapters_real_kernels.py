@@ -114,6 +114,11 @@ def test_limits_fit_specs_and_name_violations() -> None:
     assert Limits().fit(uneven) is uneven and not Limits().violations(uneven)
     assert Limits(vocab_multiple=2).violations(uneven)  # multiples imply equal shards
     assert Limits().fit(spec) is spec
+    # Flattened [batch x tokens] rows: 3 rows of 6 tokens make 18, a multiple of 6 but not of 4.
+    batched = CaseSpec(tokens=5, batch=3)
+    assert Limits(token_multiple=4).fit(batched).tokens == 8  # 24 rows
+    assert Limits(token_multiple=6).fit(batched).tokens == 6
+    assert Limits(token_multiple=4).violations(batched) == ["15 tokens % 4 != 0"]
     adapter = Adapter("a", ("logprobs",), materialized_impl.token_outputs,
                       capabilities=Capabilities(limits=limits))  # fmt: skip
     assert not limits.violations(coerce(adapter, spec))

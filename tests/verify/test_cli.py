@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 import pytest
@@ -230,3 +231,13 @@ def test_report_without_matplotlib_keeps_its_tables(tmp_path, monkeypatch):
     assert not (tmp_path / report.PLOT_FILE).exists()
     text = (tmp_path / "report.md").read_text()
     assert "(no plot: matplotlib is not installed)" in text and "| logprobs | 0.1 |" in text
+
+
+def test_the_impl_help_names_every_built_in_adapter() -> None:
+    from verify.adapters.registry import names
+    from verify.cli import build_parser
+
+    (subcommands,) = [a for a in build_parser()._actions if a.dest == "command"]
+    (impl,) = [a for a in subcommands.choices["run"]._actions if a.dest == "impl"]
+    listed = set(re.findall(r"[\w-]+", impl.help.split(";")[0]))
+    assert set(names()) <= listed, set(names()) - listed

@@ -158,3 +158,32 @@ def test_the_lce_adapter_calls_lce_without_a_deepcopy(monkeypatch):
     spec = SPECS[0]
     result = execute(spec, LocalRank(torch.device("cpu")), resolve("lce-torch"))
     assert result["status"] == "ok" and {"logprobs", "loss"} <= set(result)
+
+
+@torch.compile(fullgraph=True, dynamic=True, backend="eager")
+def _compiled_inside(hidden, weight, targets, *, reduction="mean", ignore_index=-100):
+    """A loss compiled inside its own function, as CCE's impl='torch_compile' is."""
+    logits = (hidden @ weight.T).float()
+    return torch.nn.functional.cross_entropy(
+        logits, targets, ignore_index=ignore_index, reduction=reduction
+    )
+
+
+def test_a_recompile_limit_met_inside_an_implementation_gives_a_fresh_process_verdict(monkeypatch):
+    """One Dynamo cache per code object and process: a worker that has run other dtypes and
+    reductions through such an implementation meets the limit, which under ``fullgraph=True``
+    raises; a fresh process replaying the case would not, so the run starts a fresh cache."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # what one case needs
+    torch._dynamo.reset()
+    adapter = from_loss_fn(_compiled_inside)
+    first = CaseSpec(tokens=5, vocab=7, seed=1, reduction="none")
+    second = CaseSpec(tokens=6, vocab=9, seed=2, reduction="mean", hidden_dtype="fp32")
+    local = LocalRank(torch.device("cpu"))
+    assert execute(first, local, adapter).get("status", "ok") == "ok"
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # fill the cache
+        for dtype in (torch.float64, torch.bfloat16, torch.float16):
+            weight = torch.ones(4, 3, dtype=dtype)
+            _compiled_inside(weight[:2], weight, torch.zeros(2, dtype=torch.long))
+    result = execute(second, local, adapter)
+    assert result.get("status", "ok") == "ok", result
+    assert set(result) >= {"loss", "grad_hidden", "grad_weight"}

@@ -1,5 +1,6 @@
 """Built-in adapters: lce (both backends; the engine runs lce through it), torch's
-linear_cross_entropy, Liger, cut-cross-entropy, verl's fused kernel.
+linear_cross_entropy, Liger (its Triton kernel and its Hopper CuTe DSL kernels), cut-cross-entropy
+(its kernel and its torch.compile path), QuACK, verl's fused kernel.
 
 Each factory returns an `Adapter` or raises `AdapterError` saying what is missing (a package, a
 torch version, a CUDA device). Third-party packages are imported only when their adapter is asked
@@ -25,6 +26,7 @@ import lce
 from lce.validation import HOST_CHECKS_ENV
 from verify.adapters import verl_kernel
 from verify.adapters.interface import (
+    DEFAULT_PAIRS,
     Adapter,
     AdapterError,
     Call,
@@ -243,7 +245,35 @@ def cce_adapter(filter_eps: float | str | None = "high") -> Adapter:
     approximation by design); ``None`` computes every entry."""
     cce = _import("cut_cross_entropy", "cut-cross-entropy")
     _need_cuda("cce")
+    call = f"cut_cross_entropy.linear_cross_entropy(impl='cce', filter_eps={filter_eps!r})"
+    # fp32 logits: CCE's kernels accumulate in fp32 (IEEE unless float32 matmul precision is
+    # set to "high", then TF32); its loss comes from fp32 log-sum-exp.
+    # fp32 is not claimed: CCE's backward asserts "Backwards requires embeddings to be bf16 or
+    # fp16" (seen on an H200 with cut-cross-entropy 25.1.1).
+    pairs = (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
+    name = "cce" if filter_eps == "high" else "cce-exact"
+    return _cce_flat_adapter(
+        cce, name, call, pairs, "cuda", NumericalContract(), impl="cce", filter_eps=filter_eps
+    )
 
+
+def cce_compile_adapter() -> Adapter:
+    """cut-cross-entropy's ``impl='torch_compile'``: the whole ``[N, V]`` logits in the input
+    dtype, softcapped, then an fp32 cross-entropy, under ``torch.compile(fullgraph=True,
+    dynamic=True)`` (its own decorator; Inductor on any device, so also on the CPU)."""
+    cce = _import("cut_cross_entropy", "cut-cross-entropy")
+    call = "cut_cross_entropy.linear_cross_entropy(impl='torch_compile')"
+    # Its logits are `e @ c.T` in the input dtype, upcast only for the cross-entropy.
+    contract = NumericalContract(logits="input", outputs="fp32")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return _cce_flat_adapter(cce, "cce-compile", call, DEFAULT_PAIRS, device, contract,
+                             impl="torch_compile")  # fmt: skip
+
+
+def _cce_flat_adapter(
+    cce, name: str, call: str, pairs, device: str, contract: NumericalContract, **impl_kwargs
+) -> Adapter:
+    """One of cut-cross-entropy's implementations (``impl_kwargs``) as a flat-loss adapter."""
     # A bias arrived after 25.1.1 (whose function has no such parameter): claimed where it exists.
     has_bias = "bias" in inspect.signature(cce.linear_cross_entropy).parameters
 
@@ -251,22 +281,99 @@ def cce_adapter(filter_eps: float | str | None = "high") -> Adapter:
         bias = {"bias": call.bias} if has_bias else {}
         return cce.linear_cross_entropy(
             call.hidden, call.weight, call.targets, ignore_index=call.ignore_index,
-            softcap=call.options.softcap, reduction=reduction, filter_eps=filter_eps, impl="cce",
-            **bias,
+            softcap=call.options.softcap, reduction=reduction, **impl_kwargs, **bias,
         )  # fmt: skip
 
-    name = "cce" if filter_eps == "high" else "cce-exact"
-    call = f"cut_cross_entropy.linear_cross_entropy(impl='cce', filter_eps={filter_eps!r})"
-    # fp32 logits: CCE's kernels accumulate in fp32 (IEEE unless float32 matmul precision is
-    # set to "high", then TF32); its loss comes from fp32 log-sum-exp.
-    # fp32 is not claimed: CCE's backward asserts "Backwards requires embeddings to be bf16 or
-    # fp16" (seen on an H200 with cut-cross-entropy 25.1.1).
-    pairs = (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
     options = ("bias", "softcap") if has_bias else ("softcap",)
     caps = Capabilities(dtype_pairs=pairs, options=options)
     return flat_loss_adapter(
-        name, loss_2d, device="cuda", description=call, capabilities=caps,
+        name, loss_2d, device=device, description=call, capabilities=caps, contract=contract,
         skip=(("compiled", NO_FULLGRAPH["cce"]),),
+    )  # fmt: skip
+
+
+def _need_hopper(name: str) -> None:
+    _need_cuda(name)
+    if torch.cuda.get_device_capability() != (9, 0):
+        major, minor = torch.cuda.get_device_capability()
+        raise AdapterError(f"adapter {name!r} tests a Hopper (sm_90) kernel; this GPU is "
+                           f"sm_{major}{minor}")  # fmt: skip
+
+
+# bf16 only (the flat adapters cast an fp32 hidden to the weight's dtype, as a linear layer does).
+BF16_PAIRS = (("bf16", "bf16"), ("fp32", "bf16"))
+
+
+def liger_cute_adapter() -> Adapter:
+    """Liger's per-token Hopper CuTe DSL op (`LigerFusedLinearScaledCrossEntropyFunction`,
+    liger-kernel 0.8.5 with nvidia-cutlass-dsl; on sm_90 only, elsewhere Liger runs a torch
+    fallback): fp32 NLL per token of ``(h @ W.T) / temperature``, bf16 only, at least one token
+    (its forward divides by the count of 128-token tiles)."""
+    module = _import("liger_kernel.ops.fused_linear_scaled_cross_entropy", "liger-kernel")
+    _import("liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90", "nvidia-cutlass-dsl")
+    _need_hopper("liger-cute")
+    function = module.LigerFusedLinearScaledCrossEntropyFunction
+
+    def tokens(call: Call) -> dict[str, torch.Tensor]:
+        hidden = call.hidden.to(call.weight.dtype).reshape(-1, call.hidden.shape[-1])
+        nll = function.apply(hidden, call.weight, call.targets.reshape(-1),
+                             call.options.temperature, call.ignore_index)  # fmt: skip
+        return {"logprobs": -nll.view(call.targets.shape)}
+
+    # Its raw dots are staged in fp16 before the fp32 softmax: logits rounded, as "input".
+    caps = Capabilities(options=("temperature",), dtype_pairs=BF16_PAIRS, empty=False,
+                        limits=Limits(min_tokens=1))  # fmt: skip
+    return Adapter(
+        "liger-cute", ("logprobs",), tokens, capabilities=caps, device="cuda",
+        contract=NumericalContract(logits="input", outputs="fp32"),
+        description="liger_kernel LigerFusedLinearScaledCrossEntropyFunction (Hopper CuTe DSL)",
+    )  # fmt: skip
+
+
+def liger_cute_flce_adapter() -> Adapter:
+    """Liger's Hopper CuTe DSL fused linear cross-entropy (`liger_fused_linear_cross_entropy_sm90`):
+    mean or sum, bf16 only, tokens a multiple of 128 and V of 256 (it raises otherwise)."""
+    module = _import("liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90",
+                     "liger-kernel nvidia-cutlass-dsl")  # fmt: skip
+    _need_hopper("liger-cute-flce")
+
+    def loss_2d(call: Call, reduction: str) -> torch.Tensor:
+        return module.liger_fused_linear_cross_entropy_sm90(
+            call.hidden, call.weight, call.targets, call.ignore_index, reduction
+        )
+
+    caps = Capabilities(
+        reductions=("mean", "sum"), dtype_pairs=BF16_PAIRS, empty=False,
+        limits=Limits(vocab_multiple=256, min_tokens=128, token_multiple=128),
+    )  # fmt: skip
+    return flat_loss_adapter(
+        "liger-cute-flce", loss_2d, capabilities=caps, device="cuda",
+        contract=NumericalContract(logits="input", outputs="fp32"),
+        description="liger_kernel liger_fused_linear_cross_entropy_sm90 (Hopper CuTe DSL)",
+    )  # fmt: skip
+
+
+def quack_adapter() -> Adapter:
+    """QuACK's `chunked_linear_cross_entropy` (quack-kernels 0.6.5, CuTe DSL), CUDA only: mean or
+    sum, bf16 or fp16 (its weight-gradient GEMM takes no fp32), H, V and the token count
+    multiples of 8 (16-byte TMA rows; its plain path asserts the count)."""
+    module = _import("quack.linear_cross_entropy", "quack-kernels")
+    _need_cuda("quack")
+
+    def loss_2d(call: Call, reduction: str) -> torch.Tensor:
+        return module.chunked_linear_cross_entropy(
+            call.hidden, call.weight, call.targets, ignore_index=call.ignore_index,
+            reduction=reduction,
+        )  # fmt: skip
+
+    caps = Capabilities(
+        reductions=("mean", "sum"), dtype_pairs=(*BF16_PAIRS, ("fp16", "fp16")), empty=False,
+        limits=Limits(hidden_multiple=8, vocab_multiple=8, min_tokens=8, token_multiple=8),
+    )  # fmt: skip
+    return flat_loss_adapter(
+        "quack", loss_2d, capabilities=caps, device="cuda",
+        contract=NumericalContract(logits="input", outputs="fp32"),
+        description="quack.linear_cross_entropy.chunked_linear_cross_entropy",
     )  # fmt: skip
 
 
@@ -335,6 +442,10 @@ BUILTIN: dict[str, Callable[[], Adapter]] = {
     "liger": liger_adapter,
     "cce": cce_adapter,
     "cce-exact": partial(cce_adapter, None),
+    "cce-compile": cce_compile_adapter,
+    "liger-cute": liger_cute_adapter,
+    "liger-cute-flce": liger_cute_flce_adapter,
+    "quack": quack_adapter,
     "verl": verl_adapter,
     "verl-fp32": partial(verl_adapter, (("fp32", "fp32"),)),
 }

@@ -10,6 +10,7 @@ lists them for the report.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -92,17 +93,19 @@ class Limits:
 
     ``hidden_multiple``: H is a multiple of it. ``vocab_multiple``: every rank's vocab rows are a
     multiple of it (more than 1 implies ``even_shards``). ``min_tokens``: at least this many
-    tokens (rows of the flattened ``[N, H]`` input). ``even_shards``: at TP > 1 every rank holds
-    ``V / tp`` rows (``Call.vocab_start`` is then always ``rank * V_local``).
+    tokens (rows of the flattened ``[N, H]`` input); ``token_multiple``: their count is a
+    multiple of it. ``even_shards``: at TP > 1 every rank holds ``V / tp`` rows
+    (``Call.vocab_start`` is then always ``rank * V_local``).
     """
 
     hidden_multiple: int = 1
     vocab_multiple: int = 1
     min_tokens: int = 0
+    token_multiple: int = 1
     even_shards: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("hidden_multiple", "vocab_multiple"):
+        for name in ("hidden_multiple", "vocab_multiple", "token_multiple"):
             if getattr(self, name) < 1:
                 raise AdapterError(f"limits.{name} must be >= 1, got {getattr(self, name)}")
         if self.min_tokens < 0:
@@ -117,9 +120,11 @@ class Limits:
         """``spec`` with H, V and the token count rounded up into the limits (vocab shards then
         split evenly when the limits ask for it)."""
         rows = max(spec.batch, 1)
+        tokens = max(spec.tokens, -(-self.min_tokens // rows))
         changes = {
             "hidden_size": _round_up(spec.hidden_size, self.hidden_multiple),
-            "tokens": max(spec.tokens, -(-self.min_tokens // rows)),
+            # rows x tokens flattened: tokens a multiple of what the batch rows do not supply
+            "tokens": _round_up(tokens, self.token_multiple // math.gcd(self.token_multiple, rows)),
         }
         if self._shard_violation(spec):
             changes["vocab"] = _round_up(spec.vocab, self.shard_multiple(spec.tp))
@@ -137,6 +142,8 @@ class Limits:
                        f"multiples of {self.vocab_multiple}")  # fmt: skip
         if spec.num_tokens < self.min_tokens:
             out.append(f"{spec.num_tokens} tokens < min_tokens {self.min_tokens}")
+        if spec.num_tokens % self.token_multiple:
+            out.append(f"{spec.num_tokens} tokens % {self.token_multiple} != 0")
         return out
 
     def _shard_violation(self, spec: CaseSpec) -> bool:
@@ -155,6 +162,8 @@ class Limits:
             out.append("uneven vocab shards (ranks holding different row counts)")
         if self.min_tokens > 0:
             out.append(f"fewer than {self.min_tokens} tokens")
+        if self.token_multiple > 1:
+            out.append(f"token count not a multiple of {self.token_multiple}")
         return out
 
 

@@ -87,13 +87,9 @@ def run_compiled(payload: dict[str, Any], rank: Rank, adapter: Adapter) -> dict[
     """The case through ``adapter``'s callables compiled (`compiled_adapter`); an exception
     raised while compiling or running them becomes ``status="raised"`` with its message."""
     try:
-        try:
-            return run_payload(payload, rank, compiled_adapter(adapter, torch.device(rank.device)))
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            # A search meets more input classes than one cache holds: start a fresh one.
-            torch._dynamo.reset()
-            _COMPILED.clear()
-            return run_payload(payload, rank, compiled_adapter(adapter, torch.device(rank.device)))
+        # A search meets more input classes than one cache holds: the run starts a fresh cache
+        # then (`verify.execution.execute.as_in_a_fresh_process`).
+        return run_payload(payload, rank, compiled_adapter(adapter, torch.device(rank.device)))
     except Exception as exc:
         if fatal_device_error(exc):
             raise

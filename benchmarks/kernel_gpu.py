@@ -62,35 +62,20 @@ OPTION_SHAPES = ("gemma2-8k",)  # issue 31: the softcap and z-loss rows at Gemma
 GIB = float(1 << 30)
 
 
-def _event_ms(call: Callable[[], object]) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def time_ms(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> float:
     """Median of ``iters`` CUDA-event timings after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    return statistics.median(_event_ms(fn) for _ in range(iters))
-
-
-def time_against(
-    fn: Callable[[], object], floor: Callable[[], object], warmup: int = 2, iters: int = 5
-) -> tuple[float, float]:
-    """`time_ms` of ``fn`` and of ``floor``, each ``floor`` call timed just before one of
-    ``fn``'s, so their ratio compares them at the same clocks (an H100's drop by several percent
-    over a run, which a floor timed minutes apart puts into the ratio)."""
-    for _ in range(warmup):
-        floor()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-    torch.cuda.synchronize()
-    pairs = [(_event_ms(floor), _event_ms(fn)) for _ in range(iters)]
-    return statistics.median(p[1] for p in pairs), statistics.median(p[0] for p in pairs)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def peak_gib(fn: Callable[[], object]) -> tuple[float, object]:
@@ -283,11 +268,6 @@ def make_inputs(num_tokens: int, hidden_size: int, vocab: int) -> dict:
     return {"hidden": hidden, "weight": weight, "targets": targets, "upstream": upstream}
 
 
-def one_gemm(inp: dict) -> torch.Tensor:
-    """The floor every ratio is a multiple of: ``hidden @ weight.T`` in cuBLAS."""
-    return inp["hidden"] @ inp["weight"].T
-
-
 def fp32_reference(inp: dict) -> dict:
     """fp32 materialized grads (IEEE matmuls) for the mean loss and the per-token mode."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -460,8 +440,8 @@ QUACK_CHUNK = 4096  # QuACK's default chunk of tokens
 
 def quack_loss() -> Callable:
     """QuACK 0.6.5's `chunked_linear_cross_entropy` (mean or sum only; the scaled-exp pipeline
-    where eligible). Its default 4096-token chunks, but twice that where H is 4096: there its
-    GEMM front end raised "m == n makes row/col inference ambiguous" (H100, 2026-11-25)."""
+    where eligible). Its default 4096-token chunks, but twice that where H is 4096: a chunk of
+    H rows makes its dx GEMM's epilogue raise "m == n makes row/col inference ambiguous"."""
     from quack.linear_cross_entropy import chunked_linear_cross_entropy
 
     def loss(hidden, weight, targets, mode):
@@ -490,16 +470,11 @@ def measure(
     ref: dict | None,
     mode: str | None,
     reset: Callable[[], object] | None = None,
-    floor: Callable[[], object] | None = None,
 ) -> dict:
-    """Time, peak and errors of ``fn``; ``reset`` runs before the call whose errors count;
-    ``floor`` (one GEMM) is timed interleaved with ``fn``, as the row's ``gemm_ms``."""
+    """Time, peak and errors of ``fn``; ``reset`` runs before the call whose errors count."""
     row = {"method": name, "mode": mode or "fwd"}
     try:
-        if floor is None:
-            row["ms"] = time_ms(fn)
-        else:
-            row["ms"], row["gemm_ms"] = time_against(fn, floor)
+        row["ms"] = time_ms(fn)
         if reset is not None:
             reset()
         row["peak_gib"], out = peak_gib(fn)
@@ -523,25 +498,23 @@ def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
     ref = fp32_reference(inp)
     gc.collect()
     torch.cuda.empty_cache()
-    gemm = functools.partial(one_gemm, inp)
-    rows = [measure(kernel_targets.GEMM, gemm, None, None)]
+    rows = [measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None)]
     with torch.no_grad():
-        rows.append(measure("stock PyTorch", lambda: stock_forward(inp), None, None, floor=gemm))
+        rows.append(measure("stock PyTorch", lambda: stock_forward(inp), None, None))
         forward = functools.partial(lce_loss, **_args(inp), mode="token")
-        rows.append(measure("lce triton", forward, None, None, floor=gemm))
+        rows.append(measure("lce triton", forward, None, None))
         for name, loss_fn in peers.items():
-            run = functools.partial(loss_fn, **_args(inp), mode="mean")
-            rows.append(measure(name, run, None, None, floor=gemm))
+            rows.append(measure(name, lambda f=loss_fn: f(**_args(inp), mode="mean"), None, None))
     methods = {"stock PyTorch": stock_loss, "lce triton": lce_loss, **peers}
     for mode in ("mean", "token"):
         for name, loss_fn in methods.items():
             if mode == "mean" or name not in kernel_targets.MEAN_ONLY:
-                rows.append(measure(name, grads_of(loss_fn, inp, mode), ref, mode, floor=gemm))
+                rows.append(measure(name, grads_of(loss_fn, inp, mode), ref, mode))
     rows += lce_scalar_rows(inp, ref)
     rows += lce_step_rows(inp, ref)
     if shape in OPTION_SHAPES:
         rows += lce_option_rows(inp)
-    rows.append(measure(kernel_targets.GEMM, gemm, None, None))
+    rows.append(measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None))
     grads_gib = (num_tokens + vocab) * hidden_size * 2 / GIB
     return {"shape": shape, "T_H_V": SHAPES[shape], "grads_gib": grads_gib, "rows": rows}
 
@@ -561,19 +534,17 @@ def lce_scalar_rows(inp: dict, ref: dict) -> list[dict]:
     """lce's other rows: the mean loss with the fp32 grad_weight buffer, fast, main_grad; the
     cuBLAS GEMMs of the main_grad path alone, chunked as it runs them (no row kernels); kept
     logits, per-token and mean."""
-    at_floor = functools.partial(measure, floor=functools.partial(one_gemm, inp))
     with triton_config_changed(grad_weight_fp32=True):
         name = "lce triton, fp32 grad_weight"
-        rows = [at_floor(name, grads_of(lce_loss, inp, "mean"), ref, "mean")]
-    fast = grads_of(lce_fast_loss, inp, "mean")
-    rows.append(at_floor(kernel_targets.LCE_FAST, fast, ref, "mean"))
+        rows = [measure(name, grads_of(lce_loss, inp, "mean"), ref, "mean")]
+    rows.append(measure(kernel_targets.LCE_FAST, grads_of(lce_fast_loss, inp, "mean"), ref, "mean"))
     main_grad = torch.zeros(inp["weight"].shape, dtype=torch.float32, device="cuda")
     run = main_grad_run(inp, main_grad)
-    rows.append(at_floor(kernel_targets.LCE_MAIN_GRAD, run, ref, "mean", reset=main_grad.zero_))
-    rows.append(at_floor(PATH_GEMMS, lambda: path_gemms(inp, main_grad), None, "mean"))
+    rows.append(measure(kernel_targets.LCE_MAIN_GRAD, run, ref, "mean", reset=main_grad.zero_))
+    rows.append(measure(PATH_GEMMS, lambda: path_gemms(inp, main_grad), None, "mean"))
     for mode in ("token", "mean"):
         kept = grads_of(lce_kept_loss, inp, mode)
-        rows.append(at_floor(kernel_targets.LCE_KEPT, kept, ref, mode))
+        rows.append(measure(kernel_targets.LCE_KEPT, kept, ref, mode))
     return rows
 
 
@@ -595,16 +566,14 @@ def lce_step_rows(inp: dict, ref: dict) -> list[dict]:
             step()
         torch.cuda.synchronize()
         first_call_s = time.perf_counter() - began
-        row = measure(LCE_COMPILED, step, ref, mode, floor=functools.partial(one_gemm, inp))
-        rows.append(row | {"first_call_s": first_call_s})
+        rows.append(measure(LCE_COMPILED, step, ref, mode) | {"first_call_s": first_call_s})
     try:
         replay = graphed_step(inp)
     except Exception as exc:  # a failed capture is a row of the table, not the run's end
         traceback.print_exc()
         error = f"{type(exc).__name__}: {str(exc)[:300]}"
         return [*rows, {"method": LCE_GRAPHED, "mode": "mean", "error": error}]
-    floor = functools.partial(one_gemm, inp)
-    return [*rows, measure(LCE_GRAPHED, replay, ref, "mean", floor=floor)]
+    return [*rows, measure(LCE_GRAPHED, replay, ref, "mean")]
 
 
 def graphed_step(inp: dict) -> Callable[[], tuple]:
@@ -682,22 +651,21 @@ def _cell(value: float | None, spec: str) -> str:
 
 
 def print_table(result: dict) -> None:
-    """Markdown table of one shape; ratios against the GEMM timed beside each row."""
+    """Markdown table of one shape; ratios against the faster of the two GEMM timings."""
     rows = result["rows"]
-    gemms = {"fwd": 1, "mean": 3, "token": 4}
+    gemm = min(r["ms"] for r in rows if r["method"] == "1 bf16 GEMM" and "ms" in r)
+    floors = {"fwd": gemm, "mean": 3 * gemm, "token": 4 * gemm}
     print(f"\n## {result['shape']} {result['T_H_V']}  (grads floor {result['grads_gib']:.2f} GiB)")
-    print("| method | mode | ms | x floor | GEMM ms | peak GiB | x grads | gx rel | gw rel |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| method | mode | ms | x floor | peak GiB | x grads | gx rel | gw rel |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['method']} | {r['mode']} | error: {r['error'][:80]} | | | | | | |")
+            print(f"| {r['method']} | {r['mode']} | error: {r['error'][:80]} | | | | | |")
             continue
         grads = r["mode"] != "fwd"
-        floor = kernel_targets.floor_ms(rows, r)
         cells = [
             _cell(r["ms"], ".1f"),
-            _cell(r["ms"] / (gemms[r["mode"]] * floor), ".2f"),
-            _cell(floor, ".1f"),
+            _cell(r["ms"] / floors[r["mode"]], ".2f"),
             _cell(r["peak_gib"], ".2f"),
             _cell(r["peak_gib"] / result["grads_gib"] if grads else None, ".2f"),
             _cell(r.get("gx_rel"), ".1e"),

@@ -287,3 +287,22 @@ def test_gpu_script_runs_on_cpu(tmp_path: Path) -> None:
     assert examples["differential"] > 0 and Path(lce_run["report"], "report.json").exists()
     assert "skipped" in liger_run or liger_run["impl"] == "liger"
     assert "## ci campaign of lce-torch: PASSED" in (tmp_path / "adapters.md").read_text()
+
+
+def test_a_flat_loss_without_the_none_reduction_is_a_loss_only_adapter() -> None:
+    """A kernel of the reduced loss only (Liger's CuTe FLCE, QuACK) has no per-token outputs:
+    claiming them would call it with ``reduction='none'`` on every example (an H100 run of
+    2026-12-06 refused all of them so)."""
+    import torch.nn.functional as F
+
+    from verify.adapters.builtin import flat_loss_adapter
+    from verify.adapters.interface import Capabilities
+
+    def loss_2d(call, reduction):
+        assert reduction != "none", "this kernel reduces"
+        return F.cross_entropy(call.hidden @ call.weight.T, call.targets, reduction=reduction)
+
+    caps = Capabilities(reductions=("mean", "sum"))
+    adapter = flat_loss_adapter("reduced", loss_2d, capabilities=caps)
+    assert adapter.outputs == ("loss",) and adapter.token_outputs is None
+    assert flat_loss_adapter("any", loss_2d).outputs == ("logprobs", "loss")

@@ -153,7 +153,8 @@ def flat_loss_adapter(
 ) -> Adapter:
     """An adapter for a loss of 2-D inputs, ``loss_2d(call, reduction)`` with ``call.hidden``
     ``[N, H]`` cast to weight's dtype (as a linear layer does) and ``call.targets`` ``[N]`` (3-D
-    inputs flattened); log-probs come from ``-loss(reduction='none')``."""
+    inputs flattened); log-probs come from ``-loss(reduction='none')`` where the capabilities
+    claim that reduction, else the adapter computes the loss only."""
 
     def loss(call: Call, reduction: str) -> torch.Tensor:
         hidden = call.hidden.to(call.weight.dtype).reshape(-1, call.hidden.shape[-1])
@@ -165,6 +166,9 @@ def flat_loss_adapter(
         plain = replace(call, options=replace(call.options, z_loss=0.0, label_smoothing=0.0))
         return {"logprobs": -loss(plain, "none")}
 
+    caps = fields.get("capabilities", Capabilities())
+    if "none" not in caps.reductions:  # a kernel of the reduced loss only
+        return Adapter(name, ("loss",), None, loss, **fields)
     return Adapter(name, ("logprobs", "loss"), tokens, loss, **fields)
 
 

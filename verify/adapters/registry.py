@@ -138,11 +138,8 @@ def from_loss_fn(fn: Callable[..., torch.Tensor], name: str | None = None) -> Ad
         ignore_index=has["ignore_index"],
         options=tuple(options),
     )
-    adapter = flat_loss_adapter(
+    return flat_loss_adapter(
         name or getattr(fn, "__name__", "loss"), loss_2d, capabilities=caps,
         contract=NumericalContract(logits="input", outputs="input"),
         description=f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}",
     )  # fmt: skip
-    if has["reduction"]:
-        return adapter
-    return replace(adapter, outputs=("loss",), token_outputs=None)

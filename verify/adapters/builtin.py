@@ -346,15 +346,9 @@ def liger_cute_flce_adapter() -> Adapter:
             call.hidden, call.weight, call.targets, call.ignore_index, reduction
         )
 
-    caps = Capabilities(
-        reductions=("mean", "sum"), dtype_pairs=BF16_PAIRS, empty=False,
-        limits=Limits(vocab_multiple=256, min_tokens=128, token_multiple=128),
-    )  # fmt: skip
-    return flat_loss_adapter(
-        "liger-cute-flce", loss_2d, capabilities=caps, device="cuda",
-        contract=NumericalContract(logits="input", outputs="fp32"),
-        description="liger_kernel liger_fused_linear_cross_entropy_sm90 (Hopper CuTe DSL)",
-    )  # fmt: skip
+    limits = Limits(vocab_multiple=256, min_tokens=128, token_multiple=128)
+    description = "liger_kernel liger_fused_linear_cross_entropy_sm90 (Hopper CuTe DSL)"
+    return _reduced_loss_adapter("liger-cute-flce", loss_2d, BF16_PAIRS, limits, description)
 
 
 def quack_adapter() -> Adapter:
@@ -370,15 +364,19 @@ def quack_adapter() -> Adapter:
             reduction=reduction,
         )  # fmt: skip
 
-    caps = Capabilities(
-        reductions=("mean", "sum"), dtype_pairs=(*BF16_PAIRS, ("fp16", "fp16")), empty=False,
-        limits=Limits(hidden_multiple=8, vocab_multiple=8, min_tokens=8, token_multiple=8),
-    )  # fmt: skip
-    return flat_loss_adapter(
-        "quack", loss_2d, capabilities=caps, device="cuda",
-        contract=NumericalContract(logits="input", outputs="fp32"),
-        description="quack.linear_cross_entropy.chunked_linear_cross_entropy",
-    )  # fmt: skip
+    pairs = (*BF16_PAIRS, ("fp16", "fp16"))
+    limits = Limits(hidden_multiple=8, vocab_multiple=8, min_tokens=8, token_multiple=8)
+    description = "quack.linear_cross_entropy.chunked_linear_cross_entropy"
+    return _reduced_loss_adapter("quack", loss_2d, pairs, limits, description)
+
+
+def _reduced_loss_adapter(name: str, loss_2d, pairs, limits: Limits, description: str) -> Adapter:
+    """A CUDA kernel of the mean or summed loss only (no per-token outputs), logits rounded to
+    the input dtype before an fp32 loss, refusing T = 0."""
+    caps = Capabilities(reductions=("mean", "sum"), dtype_pairs=pairs, empty=False, limits=limits)
+    contract = NumericalContract(logits="input", outputs="fp32")
+    return flat_loss_adapter(name, loss_2d, capabilities=caps, device="cuda", contract=contract,
+                             description=description)  # fmt: skip
 
 
 class _SumGradOverGroup(torch.autograd.Function):

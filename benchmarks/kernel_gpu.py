@@ -755,9 +755,9 @@ def print_issue24_targets(result: dict, report: dict, unavailable: dict[str, str
 
 def print_issue33_targets(result: dict, report: dict, unavailable: dict[str, str]) -> None:
     """Issue 33's verdicts at one shape, printed and stored in ``report``."""
-    num_tokens, _, vocab = result["T_H_V"]
+    kept_gib = kernel_targets.kept_logits_gib(result["T_H_V"])
     verdicts, skipped = kernel_targets.judge_issue33(
-        result["rows"], result["grads_gib"], unavailable, kept_gib=num_tokens * vocab * 2 / GIB
+        result["rows"], result["grads_gib"], unavailable, kept_gib=kept_gib
     )
     report[f"issue33_targets_{result['shape']}"] = {
         "verdicts": [v.row() for v in verdicts],

@@ -3,13 +3,17 @@
 
 Pure Python over the benchmark's row dicts (``method``, ``mode``, ``ms``, ``peak_gib``,
 ``gx_rel``, ``gw_rel``), so the verdicts are printed and stored by every benchmark run, and
-tested without a GPU.
+tested without a GPU. ``python benchmarks/kernel_targets.py RUN.json ...`` judges stored runs
+again (each against its own GEMM timings) and prints issue 33's verdicts per shape.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 LCE = "lce triton"
 STOCK = "stock PyTorch"
@@ -211,6 +215,12 @@ def ms_of(rows: list[dict], method: str) -> float:
     return _row(rows, method, "mean")["ms"]
 
 
+def kept_logits_gib(tokens_hidden_vocab: tuple[int, int, int]) -> float:
+    """The bf16 ``[T, V]`` logits a kept-logits run keeps, in GiB."""
+    tokens, _, vocab = tokens_hidden_vocab
+    return tokens * vocab * 2 / (1 << 30)
+
+
 def format_verdicts(verdicts: list[Verdict], skipped: dict[str, str] | None = None) -> str:
     """A markdown table: target, measured (ratio), verdict with the margin; then what was not
     judged and why."""
@@ -228,3 +238,20 @@ def _row(rows: list[dict], method: str, mode: str) -> dict:
         if row["method"] == method and row["mode"] == mode and "error" not in row:
             return row
     raise KeyError(f"no timed row for {method!r} in mode {mode!r}")
+
+
+def main(paths: list[str]) -> None:
+    """Issue 33's verdicts of each shape of each stored `kernel_gpu.py` run, as markdown."""
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        for shape in run["shapes"]:
+            verdicts, skipped = judge_issue33(
+                shape["rows"], shape["grads_gib"], run.get("peers_unavailable", {}),
+                kept_gib=kept_logits_gib(shape["T_H_V"]),
+            )  # fmt: skip
+            print(f"\n## issue-33 targets at {shape['shape']} ({path})")
+            print(format_verdicts(verdicts, skipped))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -4,6 +4,7 @@ verdicts."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -139,3 +140,14 @@ def test_issue33_kept_logits_verdicts_take_the_scalar_loss_targets_and_the_budge
     # Liger's CuTe FLCE is a mean-only peer: the per-token row is compared with its mean row.
     assert "kept logits, per-token faster than Liger CuTe FLCE (Hopper)" in judged
     assert not skipped.keys() & judged.keys()
+
+
+def test_a_stored_run_is_judged_again_from_its_json(tmp_path, capsys) -> None:
+    run = {"shapes": [{"shape": "llama3-8k", "T_H_V": [8192, 4096, 128256],
+                       "grads_gib": GRADS_GIB, "rows": ISSUE33_ROWS}]}  # fmt: skip
+    path = tmp_path / "kernel_gpu.json"
+    path.write_text(json.dumps(run))
+    kernel_targets.main([str(path)])
+    out = capsys.readouterr().out
+    assert "## issue-33 targets at llama3-8k" in out
+    assert f"| grad_weight_into <= 1.06x of 3 GEMMs | {41.1 / (3 * 11.28):.2f}x" in out

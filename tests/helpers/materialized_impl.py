@@ -83,22 +83,27 @@ globals().update({factory.__name__: factory for factory in FACTORIES.values()})
 
 class Recorder:
     """A correct per-token kernel that asserts its limits like real kernels do: H a multiple of
-    ``hidden_multiple`` and at least ``min_tokens`` tokens (an AssertionError otherwise)."""
+    ``hidden_multiple``, at least ``min_tokens`` tokens and a multiple of ``token_multiple`` of
+    them (an AssertionError otherwise)."""
 
-    def __init__(self, hidden_multiple: int = 128, min_tokens: int = 2) -> None:
+    def __init__(self, hidden_multiple: int = 128, min_tokens: int = 2, token_multiple: int = 1):
         self.hidden_multiple, self.min_tokens = hidden_multiple, min_tokens
+        self.token_multiple = token_multiple
 
     def __call__(self, call: Call) -> dict:
         size, rows = call.hidden.shape[-1], call.targets.numel()
         assert size % self.hidden_multiple == 0, f"hidden_size {size} % {self.hidden_multiple}"
         assert rows >= self.min_tokens, f"{rows} tokens"
+        assert rows % self.token_multiple == 0, f"{rows} tokens % {self.token_multiple}"
         return token_outputs(call)
 
 
 def limited() -> Adapter:
-    """Asserts H % 128 == 0 and >= 2 tokens, and declares both limits."""
-    caps = Capabilities(deterministic=True, limits=Limits(hidden_multiple=128, min_tokens=2))
-    return Adapter("limited", ("logprobs", "entropy"), Recorder(), capabilities=caps)
+    """Asserts H % 128 == 0, >= 2 tokens and an even token count, and declares the three."""
+    limits = Limits(hidden_multiple=128, min_tokens=2, token_multiple=2)
+    caps = Capabilities(deterministic=True, limits=limits)
+    kernel = Recorder(token_multiple=2)
+    return Adapter("limited", ("logprobs", "entropy"), kernel, capabilities=caps)
 
 
 def refuses_one_token() -> Adapter:

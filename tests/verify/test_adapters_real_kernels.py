@@ -99,6 +99,7 @@ def test_declared_limits_are_never_called_outside_and_are_listed(tmp_path) -> No
     untested = _untested(doc)
     assert "hidden_size not a multiple of 128: outside the declared limits" in untested
     assert "fewer than 2 tokens: outside the declared limits" in untested
+    assert "token count not a multiple of 2: outside the declared limits" in untested
 
 
 def test_limits_fit_specs_and_name_violations() -> None:

@@ -157,9 +157,7 @@ def flat_loss_adapter(
     claim that reduction, else the adapter computes the loss only."""
 
     def loss(call: Call, reduction: str) -> torch.Tensor:
-        hidden = call.hidden.to(call.weight.dtype).reshape(-1, call.hidden.shape[-1])
-        flat = replace(call, hidden=hidden, targets=call.targets.reshape(-1))
-        out = loss_2d(flat, reduction)
+        out = loss_2d(flattened(call), reduction)
         return out.view(call.targets.shape) if reduction == "none" else out
 
     def tokens(call: Call) -> dict[str, torch.Tensor]:
@@ -170,6 +168,13 @@ def flat_loss_adapter(
     if "none" not in caps.reductions:  # a kernel of the reduced loss only
         return Adapter(name, ("loss",), None, loss, **fields)
     return Adapter(name, ("logprobs", "loss"), tokens, loss, **fields)
+
+
+def flattened(call: Call) -> Call:
+    """``call`` with ``hidden`` ``[N, H]`` in weight's dtype (as a linear layer casts it) and
+    ``targets`` ``[N]``: 3-D inputs flattened, for kernels of 2-D inputs."""
+    hidden = call.hidden.to(call.weight.dtype).reshape(-1, call.hidden.shape[-1])
+    return replace(call, hidden=hidden, targets=call.targets.reshape(-1))
 
 
 def torch_adapter() -> Adapter:
@@ -298,8 +303,8 @@ def _cce_flat_adapter(
 
 def _need_hopper(name: str) -> None:
     _need_cuda(name)
-    if torch.cuda.get_device_capability() != (9, 0):
-        major, minor = torch.cuda.get_device_capability()
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
         raise AdapterError(f"adapter {name!r} tests a Hopper (sm_90) kernel; this GPU is "
                            f"sm_{major}{minor}")  # fmt: skip
 
@@ -319,9 +324,9 @@ def liger_cute_adapter() -> Adapter:
     function = module.LigerFusedLinearScaledCrossEntropyFunction
 
     def tokens(call: Call) -> dict[str, torch.Tensor]:
-        hidden = call.hidden.to(call.weight.dtype).reshape(-1, call.hidden.shape[-1])
-        nll = function.apply(hidden, call.weight, call.targets.reshape(-1),
-                             call.options.temperature, call.ignore_index)  # fmt: skip
+        flat = flattened(call)
+        nll = function.apply(flat.hidden, flat.weight, flat.targets, call.options.temperature,
+                             call.ignore_index)  # fmt: skip
         return {"logprobs": -nll.view(call.targets.shape)}
 
     # Its raw dots are staged in fp16 before the fp32 softmax: logits rounded, as "input".

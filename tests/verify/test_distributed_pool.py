@@ -138,6 +138,13 @@ def test_bad_arguments_name_the_argument(pool):
         WorkerPool(world_size=2, timeout_s=0)
 
 
+def test_a_job_may_start_processes_of_its_own(pool):
+    # Workers are started daemonic; a kernel that compiles in a process pool (QuACK's) was
+    # refused every case with "daemonic processes are not allowed to have children", a harness
+    # fault blamed on the kernel.
+    assert pool.run(f"{DIAG}:start_a_process", None, 2) == [0, 0]
+
+
 def test_second_pool_beside_the_first_and_close_leaves_nothing(pool):
     with WorkerPool(world_size=2, timeout_s=TIMEOUT_S) as other:
         assert other.tempdir != pool.tempdir and os.path.isdir(other.tempdir)

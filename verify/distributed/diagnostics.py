@@ -6,7 +6,9 @@ waiting in a collective, as in a real mismatched-collective bug.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import time
 from typing import Any
 
 import torch
@@ -53,6 +55,15 @@ def _allreduce_now(ctx: JobContext) -> float:
     value = torch.ones(1, device=ctx.device)
     dist.all_reduce(value, group=ctx.tp_group)
     return value.item()
+
+
+def start_a_process(payload: object, ctx: JobContext) -> int | None:
+    """Start a child process and wait for it, as a kernel under test may (QuACK compiles in a
+    process pool); returns its exit code."""
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.0,))
+    child.start()
+    child.join(30.0)
+    return child.exitcode
 
 
 def pid(payload: object, ctx: JobContext) -> int:

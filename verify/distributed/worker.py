@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -163,6 +164,10 @@ def run(conn: Connection, args: WorkerArgs) -> None:
     """Entry of a local-pool worker, forked by the pool's fork server: become a session of its own
     (the pool kills the whole group), take the driver's environment, join the world, serve."""
     os.setsid()
+    # The implementation under test may start processes of its own (QuACK compiles its kernels
+    # in a process pool), which a daemonic process may not. The flag is the driver's
+    # business (it ends its workers at exit, whole process groups), so the worker drops it.
+    multiprocessing.current_process().daemon = False
     os.environ.clear()
     os.environ.update(args.environment)
     store_dir = os.path.dirname(args.store)

@@ -138,11 +138,12 @@ def test_bad_arguments_name_the_argument(pool):
         WorkerPool(world_size=2, timeout_s=0)
 
 
-def test_a_job_may_start_processes_of_its_own(pool):
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_a_job_may_start_processes_of_its_own(pool, method):
     # Workers are started daemonic; a kernel that compiles in a process pool (QuACK's) was
     # refused every case with "daemonic processes are not allowed to have children", a harness
     # fault blamed on the kernel.
-    assert pool.run(f"{DIAG}:start_a_process", None, 2) == [0, 0]
+    assert pool.run(f"{DIAG}:start_a_process", {"method": method}, 2) == [3, 3]
 
 
 def test_second_pool_beside_the_first_and_close_leaves_nothing(pool):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
@@ -57,13 +57,12 @@ def _allreduce_now(ctx: JobContext) -> float:
     return value.item()
 
 
-def start_a_process(payload: object, ctx: JobContext) -> int | None:
-    """Start a child process and wait for it, as a kernel under test may (QuACK compiles in a
-    process pool); returns its exit code."""
-    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.0,))
-    child.start()
-    child.join(30.0)
-    return child.exitcode
+def start_a_process(payload: dict, ctx: JobContext) -> int:
+    """Run ``abs(-3)`` in a process pool of start method ``payload['method']``, as a kernel under
+    test may (QuACK compiles in a forkserver pool); returns the result."""
+    context = multiprocessing.get_context(payload["method"])
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(abs, -3).result(timeout=60.0)
 
 
 def pid(payload: object, ctx: JobContext) -> int:

@@ -1,10 +1,12 @@
-"""Issue 3's, issue 24's and issue 33's targets, judged from one shape's rows of `kernel_gpu.py`
-(same-run ratios).
+"""Issue 3's, issue 24's and issue 33's targets, and the two comparisons users make (RL: per-token
+next to stock; SFT: the scalar loss next to the fastest peer), judged from one shape's rows of
+`kernel_gpu.py` (same-run ratios).
 
 Pure Python over the benchmark's row dicts (``method``, ``mode``, ``ms``, ``peak_gib``,
 ``gx_rel``, ``gw_rel``), so the verdicts are printed and stored by every benchmark run, and
 tested without a GPU. ``python benchmarks/kernel_targets.py RUN.json ...`` judges stored runs
-again (each against its own GEMM timings) and prints issue 33's verdicts per shape.
+again (each against its own GEMM timings) and prints issue 33's verdicts and the users'
+comparisons per shape.
 """
 
 from __future__ import annotations
@@ -157,6 +159,46 @@ def judge_issue33(
     return judged.verdicts, judged.skipped
 
 
+# The scalar losses users pick from: the peers' (mean loss), and lce's paths.
+SCALAR_PEERS = (CCE_COMPILE, LIGER_CUTE_FLCE, QUACK, LIGER_CUTE, STOCK)
+LCE_SCALAR = (LCE_MAIN_GRAD, LCE_FAST, LCE_KEPT, LCE)
+
+
+def judge_user_comparisons(
+    rows: list[dict], unavailable: dict[str, str] | None = None
+) -> tuple[list[Verdict], dict[str, str]]:
+    """The two comparisons users make, each won when lce's time is at most the other's: RL
+    users put lce's per-token path at the memory it promises (the default) next to the stock
+    materialized path; SFT users the scalar loss next to the fastest peer's, lce's at the memory
+    it promises (``grad_weight_into``) and, beside it, lce's fastest path whatever its memory."""
+    judged = _Judged(rows, unavailable or {})
+    judged.add(
+        "RL: per-token, lce's default path vs stock PyTorch",
+        lambda: (judged.ratio(LCE, STOCK, "token", "ms"), 1.0),
+    )
+    peer = _fastest(rows, SCALAR_PEERS)
+    if peer is None:
+        judged.skipped["SFT: scalar loss vs the fastest peer"] = "no peer's mean-loss row"
+        return judged.verdicts, judged.skipped
+    judged.add(
+        f"SFT: scalar loss, lce's grad_weight_into vs the fastest peer ({peer})",
+        lambda: (judged.ratio(LCE_MAIN_GRAD, peer, "mean", "ms"), 1.0),
+    )
+    ours = _fastest(rows, LCE_SCALAR)
+    if ours is not None:
+        judged.add(
+            f"SFT: scalar loss, lce's fastest path ({ours}) vs the fastest peer ({peer})",
+            lambda: (judged.ratio(ours, peer, "mean", "ms"), 1.0),
+        )
+    return judged.verdicts, judged.skipped
+
+
+def _fastest(rows: list[dict], methods: tuple[str, ...]) -> str | None:
+    """Which of ``methods`` has the fastest timed mean-loss row (None: none has one)."""
+    timed = [r for r in rows if r["method"] in methods and r["mode"] == "mean" and "ms" in r]
+    return min(timed, key=lambda r: r["ms"])["method"] if timed else None
+
+
 class _Judged:
     """Verdicts of one shape's rows; a target whose rows are missing goes to ``skipped`` with
     the reason (a peer's import error from ``unavailable``, else the missing row)."""
@@ -251,6 +293,11 @@ def main(paths: list[str]) -> None:
             )  # fmt: skip
             print(f"\n## issue-33 targets at {shape['shape']} ({path})")
             print(format_verdicts(verdicts, skipped))
+            compared, not_compared = judge_user_comparisons(
+                shape["rows"], run.get("peers_unavailable", {})
+            )
+            print(f"\n## what users compare at {shape['shape']} ({path})")
+            print(format_verdicts(compared, not_compared))
 
 
 if __name__ == "__main__":

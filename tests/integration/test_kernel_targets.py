@@ -142,6 +142,27 @@ def test_issue33_kept_logits_verdicts_take_the_scalar_loss_targets_and_the_budge
     assert not skipped.keys() & judged.keys()
 
 
+def test_user_comparisons_take_the_fastest_peer_and_lces_fastest_path() -> None:
+    verdicts, skipped = kernel_targets.judge_user_comparisons(ISSUE33_ROWS)
+    rl, sft_promised, sft_fastest = verdicts
+    assert rl.measured == pytest.approx(54.8 / 51.2) and not rl.met
+    # The fastest peer's mean loss: CCE's 37.7 ms (Liger's CuTe FLCE 44.0, stock 51.7).
+    assert sft_promised.target.endswith("(CCE torch_compile)")
+    assert sft_promised.measured == pytest.approx(41.1 / 37.7) and not sft_promised.met
+    assert f"({kernel_targets.LCE_MAIN_GRAD})" in sft_fastest.target and not skipped
+    # With kept logits faster than every peer, lce's fastest path wins; the promised one not.
+    rows = [*ISSUE33_ROWS, _row(kernel_targets.LCE_KEPT, "mean", 37.0, 3.0, 1.66e-3, 1.66e-3)]
+    _, sft_promised, sft_fastest = kernel_targets.judge_user_comparisons(rows)[0]
+    assert f"({kernel_targets.LCE_KEPT})" in sft_fastest.target and sft_fastest.met
+    assert not sft_promised.met
+    peerless = [r for r in ISSUE33_ROWS if r["method"] in (kernel_targets.LCE, "1 bf16 GEMM")]
+    verdicts, skipped = kernel_targets.judge_user_comparisons(peerless)
+    assert not verdicts and set(skipped) == {
+        "RL: per-token, lce's default path vs stock PyTorch",
+        "SFT: scalar loss vs the fastest peer",
+    }
+
+
 def test_a_stored_run_is_judged_again_from_its_json(tmp_path, capsys) -> None:
     run = {"shapes": [{"shape": "llama3-8k", "T_H_V": [8192, 4096, 128256],
                        "grads_gib": GRADS_GIB, "rows": ISSUE33_ROWS}]}  # fmt: skip
@@ -151,3 +172,4 @@ def test_a_stored_run_is_judged_again_from_its_json(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "## issue-33 targets at llama3-8k" in out
     assert f"| grad_weight_into <= 1.06x of 3 GEMMs | {41.1 / (3 * 11.28):.2f}x" in out
+    assert "## what users compare at llama3-8k" in out

@@ -156,6 +156,8 @@ def test_second_pool_beside_the_first_and_close_leaves_nothing(pool):
         pids = other.run(f"{DIAG}:pid", None, 2)
         assert pids == other.pids
         tempdir = other.tempdir
+        # A process a job left running (an implementation's server) goes with its worker.
+        pids += other.run(f"{DIAG}:start_a_sleeper", None, 1)
     assert _wait_gone(pids, 5.0) == [] and not os.path.exists(tempdir)
     with pytest.raises(RuntimeError, match="closed"):
         other.run(f"{DIAG}:pid", None, 1)
@@ -165,19 +167,20 @@ _DRIVER = """
 import sys, time
 from verify.distributed import WorkerPool
 pool = WorkerPool(world_size=2, timeout_s=30)
-print(pool.tempdir, *pool.pids, flush=True)
+left = pool.run("verify.distributed.diagnostics:start_a_sleeper", None, 1)
+print(pool.tempdir, *pool.pids, *left, flush=True)
 time.sleep(600)
 """
 
 
-def test_workers_exit_when_the_driver_is_killed():
+def test_workers_and_what_they_started_exit_when_the_driver_is_killed():
     driver = subprocess.Popen(
         [sys.executable, "-c", _DRIVER], stdout=subprocess.PIPE, text=True, env=_env()
     )
     try:
         tempdir, *pids = driver.stdout.readline().split()
-        pids = [int(pid) for pid in pids]
-        assert len(pids) == 2 and all(_alive(pid) for pid in pids) and os.path.isdir(tempdir)
+        pids = [int(pid) for pid in pids]  # two workers, then the process one of them left
+        assert len(pids) == 3 and all(_alive(pid) for pid in pids) and os.path.isdir(tempdir)
     finally:
         driver.send_signal(signal.SIGKILL)  # no atexit, no finalizer: only the workers' watch
         driver.wait()

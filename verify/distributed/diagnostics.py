@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -63,6 +65,12 @@ def start_a_process(payload: dict, ctx: JobContext) -> int:
     context = multiprocessing.get_context(payload["method"])
     with ProcessPoolExecutor(1, mp_context=context) as pool:
         return pool.submit(abs, -3).result(timeout=60.0)
+
+
+def start_a_sleeper(payload: object, ctx: JobContext) -> int:
+    """Start a process that sleeps ten minutes and leave it running (an implementation's
+    compile server, say); returns its pid."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
 
 
 def pid(payload: object, ctx: JobContext) -> int:

@@ -88,11 +88,15 @@ def stop(workers: list[WorkerProcess], grace_s: float) -> None:
 
 
 def kill(workers: list[WorkerProcess]) -> None:
-    """SIGKILL each worker's process group (the worker and anything it started), then reap it."""
+    """SIGKILL each worker's process group (the worker and anything it started), then reap it.
+
+    The group outlives a worker that has exited when the implementation left processes in it (a
+    compile server, say), and its id stays taken while it has members, so it is killed either way.
+    """
     for worker_process in workers:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker_process.pid, signal.SIGKILL)
         if worker_process.running():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(worker_process.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):  # not yet its own session
                 os.kill(worker_process.pid, signal.SIGKILL)
     for worker_process in workers:

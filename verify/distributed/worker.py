@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -141,8 +142,10 @@ def _alive(pid: int) -> bool:
 
 
 def _driver_gone(store_dir: str) -> None:
-    """Remove the store's directory (a killed driver could not) and exit at once."""
+    """Remove the store's directory (a killed driver could not) and end this worker's process
+    group at once: the worker and whatever the implementation started (a compile pool, a server)."""
     shutil.rmtree(store_dir, ignore_errors=True)
+    os.killpg(os.getpgrp(), signal.SIGKILL)  # the worker leads its group (`run`: setsid)
     os._exit(70)
 
 

@@ -756,23 +756,13 @@ def print_issue24_targets(result: dict, report: dict, unavailable: dict[str, str
 def print_issue33_targets(result: dict, report: dict, unavailable: dict[str, str]) -> None:
     """Issue 33's verdicts and the users' comparisons at one shape, printed and stored in
     ``report``."""
-    kept_gib = kernel_targets.kept_logits_gib(result["T_H_V"])
-    verdicts, skipped = kernel_targets.judge_issue33(
-        result["rows"], result["grads_gib"], unavailable, kept_gib=kept_gib
-    )
-    report[f"issue33_targets_{result['shape']}"] = {
-        "verdicts": [v.row() for v in verdicts],
-        "not_judged": skipped,
-    }
-    table = kernel_targets.format_verdicts(verdicts, skipped)
-    print(f"\n## issue-33 targets at {result['shape']}\n{table}")
-    compared, not_compared = kernel_targets.judge_user_comparisons(result["rows"], unavailable)
-    report[f"user_comparisons_{result['shape']}"] = {
-        "verdicts": [v.row() for v in compared],
-        "not_judged": not_compared,
-    }
-    table = kernel_targets.format_verdicts(compared, not_compared)
-    print(f"\n## what users compare at {result['shape']}\n{table}")
+    for key, (verdicts, skipped) in kernel_targets.issue33_sections(result, unavailable).items():
+        report[f"{key}_{result['shape']}"] = {
+            "verdicts": [v.row() for v in verdicts],
+            "not_judged": skipped,
+        }
+        table = kernel_targets.format_verdicts(verdicts, skipped)
+        print(f"\n## {kernel_targets.SECTION_TITLES[key]} at {result['shape']}\n{table}")
 
 
 if __name__ == "__main__":

@@ -52,17 +52,23 @@ class Verdict:
         return {**asdict(self), "met": self.met, "over": self.over}
 
 
+def gemm_ms(rows: list[dict]) -> float:
+    """One GEMM's time, the floor every "x of N GEMMs" divides by: the faster of the run's GEMM
+    timings (back to back, as a path's GEMMs run)."""
+    return min(r["ms"] for r in rows if r["method"] == GEMM and "ms" in r)
+
+
+def over_gemms(rows: list[dict], method: str, mode: str, gemms: int) -> float:
+    """``method``'s time in ``mode`` as a multiple of ``gemms`` GEMMs (`gemm_ms`)."""
+    return _row(rows, method, mode)["ms"] / (gemms * gemm_ms(rows))
+
+
 def judge(rows: list[dict], grads_gib: float) -> list[Verdict]:
-    """The issue-3 verdicts of one shape; ratios use the faster of the run's GEMM timings."""
-
-    def ms(method: str, mode: str) -> float:
-        return _row(rows, method, mode)["ms"]
-
-    gemm = min(r["ms"] for r in rows if r["method"] == GEMM and "ms" in r)
+    """The issue-3 verdicts of one shape."""
     verdicts = [
-        Verdict("forward <= 1.15x one GEMM", ms(LCE, "fwd") / gemm, 1.15),
-        Verdict("mean-loss fwd+bwd <= 1.25x of 3 GEMMs", ms(LCE, "mean") / (3 * gemm), 1.25),
-        Verdict("per-token fwd+bwd <= 1.25x of 4 GEMMs", ms(LCE, "token") / (4 * gemm), 1.25),
+        Verdict("forward <= 1.15x one GEMM", over_gemms(rows, LCE, "fwd", 1), 1.15),
+        Verdict("mean-loss fwd+bwd <= 1.25x of 3 GEMMs", over_gemms(rows, LCE, "mean", 3), 1.25),
+        Verdict("per-token fwd+bwd <= 1.25x of 4 GEMMs", over_gemms(rows, LCE, "token", 4), 1.25),
         Verdict(
             "peak fwd+bwd <= 1.10x the gradients",
             max(_row(rows, LCE, mode)["peak_gib"] for mode in ("mean", "token")) / grads_gib,
@@ -83,7 +89,6 @@ def judge_issue24(
     """Issue 24's verdicts of one shape, and the targets not judged with the reason (a row the
     run lacks: a path that raised, or a peer that did not import, whose import error
     ``unavailable`` maps from its method name)."""
-    gemm = min(r["ms"] for r in rows if r["method"] == GEMM and "ms" in r)
     judged = _Judged(rows, unavailable or {})
     add = judged.add
 
@@ -91,7 +96,7 @@ def judge_issue24(
         return _row(rows, method, "mean")[field] / _row(rows, peer, "mean")[field]
 
     for name, method in (("3-GEMM path", LCE_MAIN_GRAD), ("fast mode", LCE_FAST)):
-        add(f"{name} <= 1.10x of 3 GEMMs", lambda m=method: (ms_of(rows, m) / (3 * gemm), 1.10))
+        add(f"{name} <= 1.10x of 3 GEMMs", lambda m=method: (over_gemms(rows, m, "mean", 3), 1.10))
         add(f"{name} faster than CCE torch_compile", lambda m=method: (ratio(m, CCE_COMPILE), 1.0))
         if method == LCE_MAIN_GRAD:
             peak_name = f"{name} peak (main_grad not counted) <= 1.5x the gradients"
@@ -104,7 +109,7 @@ def judge_issue24(
                 f"{name} {grad[:2]} error <= stock PyTorch's (x{ERROR_SLACK})",
                 lambda m=method, g=grad: (ratio(m, STOCK, g), ERROR_SLACK),
             )
-    add("default path <= 1.10x of 4 GEMMs", lambda: (ms_of(rows, LCE) / (4 * gemm), 1.10))
+    add("default path <= 1.10x of 4 GEMMs", lambda: (over_gemms(rows, LCE, "mean", 4), 1.10))
     add(
         "default path peak <= 1.10x the gradients",
         lambda: (max(_row(rows, LCE, m)["peak_gib"] for m in ("mean", "token")) / grads_gib, 1.1),
@@ -137,30 +142,28 @@ def judge_issue33(
     path, peak <= 1.15x the gradients. Forward <= 1.05x one GEMM. Kept logits (per-token and
     mean): the scalar loss's targets, its peak within 1.5x the gradients plus the logits the
     caller let it keep (``kept_gib``). Errors no larger than the stock path's everywhere."""
-    gemm = min(r["ms"] for r in rows if r["method"] == GEMM and "ms" in r)
     judged = _Judged(rows, unavailable or {})
-    judged.add("forward <= 1.05x one GEMM", lambda: (_row(rows, LCE, "fwd")["ms"] / gemm, 1.05))
+    judged.add("forward <= 1.05x one GEMM", lambda: (over_gemms(rows, LCE, "fwd", 1), 1.05))
     scalar = [("grad_weight_into", LCE_MAIN_GRAD, "mean"), ("fast", LCE_FAST, "mean")]
     for name, method, mode in scalar:
-        judged.speed(name, method, mode, (3, gemm, 1.06), (CCE_COMPILE, LIGER_CUTE_FLCE, QUACK))
+        judged.speed(name, method, mode, (3, 1.06), (CCE_COMPILE, LIGER_CUTE_FLCE, QUACK))
         if method != LCE_FAST:  # fast keeps an fp32 [V, H] buffer of its own (issue 24's target)
             judged.peak(name, method, mode, grads_gib, 1.5)
         judged.errors(name, method, mode)
     for name, mode in (("per-token", "token"), ("default mean", "mean")):
-        judged.speed(name, LCE, mode, (4, gemm, 1.08), (LIGER_CUTE, STOCK))
+        judged.speed(name, LCE, mode, (4, 1.08), (LIGER_CUTE, STOCK))
         judged.peak(name, LCE, mode, grads_gib, 1.15)
         judged.errors(name, LCE, mode)
-    peers = (CCE_COMPILE, LIGER_CUTE_FLCE, QUACK, LIGER_CUTE, STOCK)
     for name, mode in (("kept logits, per-token", "token"), ("kept logits, mean", "mean")):
-        judged.speed(name, LCE_KEPT, mode, (3, gemm, 1.06), peers)
+        judged.speed(name, LCE_KEPT, mode, (3, 1.06), PEERS)
         if kept_gib is not None:
             judged.peak(name, LCE_KEPT, mode, grads_gib, round(1.5 + kept_gib / grads_gib, 2))
         judged.errors(name, LCE_KEPT, mode)
     return judged.verdicts, judged.skipped
 
 
-# The scalar losses users pick from: the peers' (mean loss), and lce's paths.
-SCALAR_PEERS = (CCE_COMPILE, LIGER_CUTE_FLCE, QUACK, LIGER_CUTE, STOCK)
+# Every peer the benchmark times (the kept logits are held to all), and lce's scalar-loss paths.
+PEERS = (CCE_COMPILE, LIGER_CUTE_FLCE, QUACK, LIGER_CUTE, STOCK)
 LCE_SCALAR = (LCE_MAIN_GRAD, LCE_FAST, LCE_KEPT, LCE)
 
 
@@ -176,7 +179,7 @@ def judge_user_comparisons(
         "RL: per-token, lce's default path vs stock PyTorch",
         lambda: (judged.ratio(LCE, STOCK, "token", "ms"), 1.0),
     )
-    peer = _fastest(rows, SCALAR_PEERS)
+    peer = _fastest(rows, PEERS)
     if peer is None:
         judged.skipped["SFT: scalar loss vs the fastest peer"] = "no peer's mean-loss row"
         return judged.verdicts, judged.skipped
@@ -224,11 +227,11 @@ class _Judged:
         return _row(self.rows, method, mode)[field] / _row(self.rows, peer, peer_mode)[field]
 
     def speed(self, name: str, method: str, mode: str, floor, peers: tuple[str, ...]) -> None:
-        """``floor`` = (GEMMs, one GEMM's ms, limit as a multiple of those GEMMs)."""
-        gemms, gemm_ms, limit = floor
+        """``floor`` = (GEMMs, limit as a multiple of those GEMMs)."""
+        gemms, limit = floor
         self.add(
             f"{name} <= {limit:.2f}x of {gemms} GEMMs",
-            lambda: (_row(self.rows, method, mode)["ms"] / (gemms * gemm_ms), limit),
+            lambda: (over_gemms(self.rows, method, mode, gemms), limit),
         )
         for peer in peers:
             ratio = functools.partial(self.ratio, method, peer, mode, "ms")
@@ -250,11 +253,6 @@ class _Judged:
 
 # Peers measured on the mean loss only (their kernels return no per-token outputs).
 MEAN_ONLY = frozenset({LIGER_CUTE_FLCE, QUACK})
-
-
-def ms_of(rows: list[dict], method: str) -> float:
-    """The mean-loss fwd+bwd time of ``method``."""
-    return _row(rows, method, "mean")["ms"]
 
 
 def kept_logits_gib(tokens_hidden_vocab: tuple[int, int, int]) -> float:
@@ -282,22 +280,33 @@ def _row(rows: list[dict], method: str, mode: str) -> dict:
     raise KeyError(f"no timed row for {method!r} in mode {mode!r}")
 
 
+# The tables `issue33_sections` judges, by the key a run's JSON stores each under.
+SECTION_TITLES = {"issue33_targets": "issue-33 targets", "user_comparisons": "what users compare"}
+
+
+def issue33_sections(
+    shape: dict, unavailable: dict[str, str]
+) -> dict[str, tuple[list[Verdict], dict[str, str]]]:
+    """Issue 33's verdicts and the users' comparisons of one shape of a `kernel_gpu.py` run (its
+    ``rows``, ``grads_gib`` and ``T_H_V``), keyed as in `SECTION_TITLES`."""
+    rows = shape["rows"]
+    kept_gib = kept_logits_gib(shape["T_H_V"])
+    return {
+        "issue33_targets": judge_issue33(rows, shape["grads_gib"], unavailable, kept_gib=kept_gib),
+        "user_comparisons": judge_user_comparisons(rows, unavailable),
+    }
+
+
 def main(paths: list[str]) -> None:
-    """Issue 33's verdicts of each shape of each stored `kernel_gpu.py` run, as markdown."""
+    """Issue 33's verdicts and the users' comparisons of each shape of each stored
+    `kernel_gpu.py` run, as markdown."""
     for path in paths:
         run = json.loads(Path(path).read_text())
         for shape in run["shapes"]:
-            verdicts, skipped = judge_issue33(
-                shape["rows"], shape["grads_gib"], run.get("peers_unavailable", {}),
-                kept_gib=kept_logits_gib(shape["T_H_V"]),
-            )  # fmt: skip
-            print(f"\n## issue-33 targets at {shape['shape']} ({path})")
-            print(format_verdicts(verdicts, skipped))
-            compared, not_compared = judge_user_comparisons(
-                shape["rows"], run.get("peers_unavailable", {})
-            )
-            print(f"\n## what users compare at {shape['shape']} ({path})")
-            print(format_verdicts(compared, not_compared))
+            sections = issue33_sections(shape, run.get("peers_unavailable", {}))
+            for key, (verdicts, skipped) in sections.items():
+                print(f"\n## {SECTION_TITLES[key]} at {shape['shape']} ({path})")
+                print(format_verdicts(verdicts, skipped))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ llama3-8k, the fastest tiles become the config of (3) (``--no-sweep`` keeps the 
 lce triton (default, fast, main_grad), the cuBLAS GEMMs of the main_grad path alone, lce and
 stock with a softcap and a z-loss (`option_rows`, at `OPTION_SHAPES`),
 and the peers (`PEERS`: Liger's Triton FLCE and Hopper CuTe kernels, QuACK, Apple CCE and its
-torch_compile path): time (median ms), peak memory above the inputs (GiB), normwise grad errors
-vs an fp32 materialized reference; then each issue's verdicts (`kernel_targets`). The stage tests
+torch_compile path; the scalar-loss peers also with their grad_weight added to an fp32
+main_grad): peak memory above the inputs (GiB) and normwise grad errors vs an fp32 materialized
+reference, row by row; then the times of every row in interleaved rounds (`rounds.Rounds`: median
+ms, each round's in ``round_ms``); then each issue's verdicts (`kernel_targets`). The stage tests
 run apart: pytest tests/lce/test_triton_stages.py.
 """
 
@@ -48,6 +50,7 @@ from verify.numerics.reference import IGNORE_INDEX
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "lce"))
 import kernel_targets  # this script's folder is on sys.path
 import option_rows
+from rounds import Rounds
 from test_triton_stages import reference_grads, reference_rows, reference_stats
 
 PLAIN = LogitOptions()  # temperature 1, no other option: the plain LM head
@@ -464,17 +467,32 @@ PEERS: dict[str, Callable[[], Callable]] = {
 }
 
 
+ROUNDS = 5  # timed calls of each row, one per round (`rounds.Rounds`)
+
+
+def event_ms(fn: Callable[[], object]) -> float:
+    """One call of ``fn`` timed by CUDA events, in ms."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def measure(
+    table: Rounds,
     name: str,
     fn: Callable,
     ref: dict | None,
     mode: str | None,
     reset: Callable[[], object] | None = None,
 ) -> dict:
-    """Time, peak and errors of ``fn``; ``reset`` runs before the call whose errors count."""
+    """Peak and errors of ``fn`` after one warm-up call (``reset`` runs before the call whose
+    errors count); the row joins ``table``, whose rounds time it with the others."""
     row = {"method": name, "mode": mode or "fwd"}
     try:
-        row["ms"] = time_ms(fn)
+        fn()
         if reset is not None:
             reset()
         row["peak_gib"], out = peak_gib(fn)
@@ -489,33 +507,39 @@ def measure(
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         traceback.print_exc()
     print(name, row, flush=True)
-    return row
+    return table.add(row, fn)
 
 
 def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
+    """Every row of one shape: peak and errors row by row, then the times in `ROUNDS`
+    interleaved rounds over all of them (`rounds.Rounds`)."""
     num_tokens, hidden_size, vocab = SHAPES[shape]
     inp = make_inputs(num_tokens, hidden_size, vocab)
     ref = fp32_reference(inp)
     gc.collect()
     torch.cuda.empty_cache()
-    rows = [measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None)]
-    with torch.no_grad():
-        rows.append(measure("stock PyTorch", lambda: stock_forward(inp), None, None))
-        forward = functools.partial(lce_loss, **_args(inp), mode="token")
-        rows.append(measure("lce triton", forward, None, None))
-        for name, loss_fn in peers.items():
-            rows.append(measure(name, lambda f=loss_fn: f(**_args(inp), mode="mean"), None, None))
+    table = Rounds(event_ms)
+    measure(table, kernel_targets.GEMM, lambda: inp["hidden"] @ inp["weight"].T, None, None)
+    forwards = {
+        "stock PyTorch": lambda: stock_forward(inp),
+        "lce triton": functools.partial(lce_loss, **_args(inp), mode="token"),
+    }
+    forwards |= {name: functools.partial(f, **_args(inp), mode="mean") for name, f in peers.items()}
+    for name, forward in forwards.items():
+        measure(table, name, torch.no_grad()(forward), None, None)
     methods = {"stock PyTorch": stock_loss, "lce triton": lce_loss, **peers}
     for mode in ("mean", "token"):
         for name, loss_fn in methods.items():
             if mode == "mean" or name not in kernel_targets.MEAN_ONLY:
-                rows.append(measure(name, grads_of(loss_fn, inp, mode), ref, mode))
-    rows += lce_scalar_rows(inp, ref)
-    rows += lce_step_rows(inp, ref)
+                measure(table, name, grads_of(loss_fn, inp, mode), ref, mode)
+    main_grad = torch.zeros(inp["weight"].shape, dtype=torch.float32, device="cuda")
+    lce_scalar_rows(table, inp, ref, main_grad)
+    peers_into_main_grad(table, inp, ref, main_grad, peers)
+    lce_step_rows(table, inp, ref)
     if shape in OPTION_SHAPES:
-        rows += lce_option_rows(inp)
-    rows.append(measure("1 bf16 GEMM", lambda: inp["hidden"] @ inp["weight"].T, None, None))
+        lce_option_rows(table, inp)
     grads_gib = (num_tokens + vocab) * hidden_size * 2 / GIB
+    rows = table.time(ROUNDS)
     return {"shape": shape, "T_H_V": SHAPES[shape], "grads_gib": grads_gib, "rows": rows}
 
 
@@ -530,35 +554,49 @@ def triton_config_changed(**changes) -> Iterator[None]:
         triton_config.GPU_CONFIG = saved
 
 
-def lce_scalar_rows(inp: dict, ref: dict) -> list[dict]:
-    """lce's other rows: the mean loss with the fp32 grad_weight buffer, fast, main_grad; the
-    cuBLAS GEMMs of the main_grad path alone, chunked as it runs them (no row kernels); kept
-    logits, per-token and mean."""
-    with triton_config_changed(grad_weight_fp32=True):
-        name = "lce triton, fp32 grad_weight"
-        rows = [measure(name, grads_of(lce_loss, inp, "mean"), ref, "mean")]
-    rows.append(measure(kernel_targets.LCE_FAST, grads_of(lce_fast_loss, inp, "mean"), ref, "mean"))
-    main_grad = torch.zeros(inp["weight"].shape, dtype=torch.float32, device="cuda")
+def lce_scalar_rows(table: Rounds, inp: dict, ref: dict, main_grad: torch.Tensor) -> None:
+    """lce's other rows: the mean loss with the fp32 grad_weight buffer, fast, into
+    ``main_grad``; the cuBLAS GEMMs of the main_grad path alone, chunked as it runs them (no row
+    kernels); kept logits, per-token and mean."""
+    fp32 = triton_config_changed(grad_weight_fp32=True)(grads_of(lce_loss, inp, "mean"))
+    measure(table, "lce triton, fp32 grad_weight", fp32, ref, "mean")
+    measure(table, kernel_targets.LCE_FAST, grads_of(lce_fast_loss, inp, "mean"), ref, "mean")
     run = main_grad_run(inp, main_grad)
-    rows.append(measure(kernel_targets.LCE_MAIN_GRAD, run, ref, "mean", reset=main_grad.zero_))
-    rows.append(measure(PATH_GEMMS, lambda: path_gemms(inp, main_grad), None, "mean"))
+    measure(table, kernel_targets.LCE_MAIN_GRAD, run, ref, "mean", reset=main_grad.zero_)
+    measure(table, PATH_GEMMS, lambda: path_gemms(inp, main_grad), None, "mean")
     for mode in ("token", "mean"):
-        kept = grads_of(lce_kept_loss, inp, mode)
-        rows.append(measure(kernel_targets.LCE_KEPT, kept, ref, mode))
-    return rows
+        measure(table, kernel_targets.LCE_KEPT, grads_of(lce_kept_loss, inp, mode), ref, mode)
+
+
+def peers_into_main_grad(
+    table: Rounds, inp: dict, ref: dict, main_grad: torch.Tensor, peers: dict[str, Callable]
+) -> None:
+    """Each scalar-loss peer's mean loss with its bf16 grad_weight then added to the fp32
+    ``main_grad``, as Megatron's gradient hook does for a layer that does not add it itself:
+    what ``grad_weight_into`` delivers, for a like-for-like time."""
+    for name in kernel_targets.SCALAR_PEERS:
+        if name not in peers:
+            continue
+        step = grads_of(peers[name], inp, "mean")
+
+        def into(step=step) -> tuple:
+            loss, grad_hidden, grad_weight = step()
+            return loss, grad_hidden, main_grad.add_(grad_weight)
+
+        row_name = kernel_targets.into_main_grad(name)
+        measure(table, row_name, into, ref, "mean", reset=main_grad.zero_)
 
 
 LCE_COMPILED = "lce triton, torch.compile"
 LCE_GRAPHED = "lce triton, CUDA graph replay"
 
 
-def lce_step_rows(inp: dict, ref: dict) -> list[dict]:
+def lce_step_rows(table: Rounds, inp: dict, ref: dict) -> None:
     """lce's forward+backward under ``torch.compile(fullgraph=True)`` (mean loss and per-token),
     and the mean loss's captured in a CUDA graph and replayed, next to the eager rows of the
     same run (same inputs and reference). ``first_call_s``: the compiled step's first call
     (Dynamo, AOTAutograd and Inductor around lce's op; Triton's own compile is cached by then)."""
     compiled = torch.compile(lce_loss, fullgraph=True)
-    rows = []
     for mode in ("mean", "token"):
         began = time.perf_counter()
         step = grads_of(compiled, inp, mode)
@@ -566,14 +604,15 @@ def lce_step_rows(inp: dict, ref: dict) -> list[dict]:
             step()
         torch.cuda.synchronize()
         first_call_s = time.perf_counter() - began
-        rows.append(measure(LCE_COMPILED, step, ref, mode) | {"first_call_s": first_call_s})
+        measure(table, LCE_COMPILED, step, ref, mode)["first_call_s"] = first_call_s
     try:
         replay = graphed_step(inp)
     except Exception as exc:  # a failed capture is a row of the table, not the run's end
         traceback.print_exc()
         error = f"{type(exc).__name__}: {str(exc)[:300]}"
-        return [*rows, {"method": LCE_GRAPHED, "mode": "mean", "error": error}]
-    return [*rows, measure(LCE_GRAPHED, replay, ref, "mean")]
+        table.add({"method": LCE_GRAPHED, "mode": "mean", "error": error}, None)
+        return
+    measure(table, LCE_GRAPHED, replay, ref, "mean")
 
 
 def graphed_step(inp: dict) -> Callable[[], tuple]:
@@ -603,12 +642,11 @@ def graphed_step(inp: dict) -> Callable[[], tuple]:
     return replay
 
 
-def lce_option_rows(inp: dict) -> list[dict]:
+def lce_option_rows(table: Rounds, inp: dict) -> None:
     """Per logit option (`option_rows.OPTIONS`): the stock path and lce with it, against an fp32
     materialized reference with the same option (IEEE fp32 GEMMs)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     as_fp32 = {**inp, "hidden": inp["hidden"].float(), "weight": inp["weight"].float()}
-    rows = []
     for name, (options, modes) in option_rows.OPTIONS.items():
         stock = option_rows.stock_loss_with(options)
         methods = {"stock PyTorch": stock, "lce triton": option_rows.lce_loss_with(options)}
@@ -617,11 +655,10 @@ def lce_option_rows(inp: dict) -> list[dict]:
             ref = {mode: (grad_hidden, grad_weight), "loss": loss.item()}
             del loss, grad_hidden, grad_weight
             for method, loss_fn in methods.items():
-                rows.append(measure(f"{method}, {name}", grads_of(loss_fn, inp, mode), ref, mode))
+                measure(table, f"{method}, {name}", grads_of(loss_fn, inp, mode), ref, mode)
             del ref
             gc.collect()
             torch.cuda.empty_cache()
-    return rows
 
 
 PATH_GEMMS = "cuBLAS GEMMs of the main_grad path"
@@ -651,9 +688,9 @@ def _cell(value: float | None, spec: str) -> str:
 
 
 def print_table(result: dict) -> None:
-    """Markdown table of one shape; ratios against the faster of the two GEMM timings."""
+    """Markdown table of one shape; ratios against its GEMM timing (`kernel_targets.gemm_ms`)."""
     rows = result["rows"]
-    gemm = min(r["ms"] for r in rows if r["method"] == "1 bf16 GEMM" and "ms" in r)
+    gemm = kernel_targets.gemm_ms(rows)
     floors = {"fwd": gemm, "mean": 3 * gemm, "token": 4 * gemm}
     print(f"\n## {result['shape']} {result['T_H_V']}  (grads floor {result['grads_gib']:.2f} GiB)")
     print("| method | mode | ms | x floor | peak GiB | x grads | gx rel | gw rel |")

@@ -53,8 +53,9 @@ class Verdict:
 
 
 def gemm_ms(rows: list[dict]) -> float:
-    """One GEMM's time, the floor every "x of N GEMMs" divides by: the faster of the run's GEMM
-    timings (back to back, as a path's GEMMs run)."""
+    """One GEMM's time, the floor every "x of N GEMMs" divides by: the run's GEMM row, timed in
+    the same rounds as the paths (runs before the interleaved rounds had two GEMM rows, one
+    before and one after the others: the faster counts)."""
     return min(r["ms"] for r in rows if r["method"] == GEMM and "ms" in r)
 
 
@@ -146,7 +147,7 @@ def judge_issue33(
     judged.add("forward <= 1.05x one GEMM", lambda: (over_gemms(rows, LCE, "fwd", 1), 1.05))
     scalar = [("grad_weight_into", LCE_MAIN_GRAD, "mean"), ("fast", LCE_FAST, "mean")]
     for name, method, mode in scalar:
-        judged.speed(name, method, mode, (3, 1.06), (CCE_COMPILE, LIGER_CUTE_FLCE, QUACK))
+        judged.speed(name, method, mode, (3, 1.06), SCALAR_PEERS)
         if method != LCE_FAST:  # fast keeps an fp32 [V, H] buffer of its own (issue 24's target)
             judged.peak(name, method, mode, grads_gib, 1.5)
         judged.errors(name, method, mode)
@@ -162,9 +163,17 @@ def judge_issue33(
     return judged.verdicts, judged.skipped
 
 
-# Every peer the benchmark times (the kept logits are held to all), and lce's scalar-loss paths.
-PEERS = (CCE_COMPILE, LIGER_CUTE_FLCE, QUACK, LIGER_CUTE, STOCK)
+# The peers the scalar loss is held to; every peer the benchmark times (the kept logits are held
+# to all); lce's scalar-loss paths.
+SCALAR_PEERS = (CCE_COMPILE, LIGER_CUTE_FLCE, QUACK)
+PEERS = (*SCALAR_PEERS, LIGER_CUTE, STOCK)
 LCE_SCALAR = (LCE_MAIN_GRAD, LCE_FAST, LCE_KEPT, LCE)
+
+
+def into_main_grad(peer: str) -> str:
+    """The row of ``peer``'s mean loss with its bf16 grad_weight then added to an fp32 main_grad
+    (what Megatron's gradient hook does for a layer that does not add it itself)."""
+    return f"{peer} + main_grad add"
 
 
 def judge_user_comparisons(
@@ -173,7 +182,9 @@ def judge_user_comparisons(
     """The two comparisons users make, each won when lce's time is at most the other's: RL
     users put lce's per-token path at the memory it promises (the default) next to the stock
     materialized path; SFT users the scalar loss next to the fastest peer's, lce's at the memory
-    it promises (``grad_weight_into``) and, beside it, lce's fastest path whatever its memory."""
+    it promises (``grad_weight_into``) and, beside it, lce's fastest path whatever its memory.
+    A Megatron user's gradient ends in an fp32 main_grad, which ``grad_weight_into`` adds to and
+    a peer's bf16 gradient is added to after: that like-for-like comparison is the third."""
     judged = _Judged(rows, unavailable or {})
     judged.add(
         "RL: per-token, lce's default path vs stock PyTorch",
@@ -192,6 +203,12 @@ def judge_user_comparisons(
         judged.add(
             f"SFT: scalar loss, lce's fastest path ({ours}) vs the fastest peer ({peer})",
             lambda: (judged.ratio(ours, peer, "mean", "ms"), 1.0),
+        )
+    into = _fastest(rows, tuple(into_main_grad(name) for name in SCALAR_PEERS))
+    if into is not None:
+        judged.add(
+            f"SFT, gradient in an fp32 main_grad: lce's grad_weight_into vs the fastest ({into})",
+            lambda: (judged.ratio(LCE_MAIN_GRAD, into, "mean", "ms"), 1.0),
         )
     return judged.verdicts, judged.skipped
 

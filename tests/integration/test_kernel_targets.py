@@ -163,6 +163,23 @@ def test_user_comparisons_take_the_fastest_peer_and_lces_fastest_path() -> None:
     }
 
 
+def test_main_grad_comparison_adds_the_peers_main_grad_add() -> None:
+    # No "+ main_grad add" row (runs before it existed): no such verdict.
+    assert len(kernel_targets.judge_user_comparisons(ISSUE33_ROWS)[0]) == 3
+    into = kernel_targets.into_main_grad
+    rows = [
+        *ISSUE33_ROWS,
+        _row(into(kernel_targets.CCE_COMPILE), "mean", 39.4, 2.88, 1.66e-3, 1.66e-3),
+        _row(into(kernel_targets.LIGER_CUTE_FLCE), "mean", 45.6, 1.5, 1.66e-3, 1.7e-3),
+    ]
+    verdicts, _ = kernel_targets.judge_user_comparisons(rows)
+    like_for_like = verdicts[3]
+    assert like_for_like.target.endswith(f"({into(kernel_targets.CCE_COMPILE)})")
+    assert like_for_like.measured == pytest.approx(41.1 / 39.4) and not like_for_like.met
+    # The strict comparison (the peer without the add) is unchanged beside it.
+    assert verdicts[1].measured == pytest.approx(41.1 / 37.7)
+
+
 def test_a_stored_run_is_judged_again_from_its_json(tmp_path, capsys) -> None:
     run = {"shapes": [{"shape": "llama3-8k", "T_H_V": [8192, 4096, 128256],
                        "grads_gib": GRADS_GIB, "rows": ISSUE33_ROWS}]}  # fmt: skip

@@ -30,7 +30,7 @@ def shape_timings(num_tokens: int, hidden_size: int, vocab: int) -> dict[str, fl
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(num_tokens, hidden_size, device="cuda", generator=gen).bfloat16()
     weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.02).bfloat16()
-    rows = TritonStages().loss_chunk_rows(num_tokens, vocab, 2)
+    rows = TritonStages().loss_chunk_rows(num_tokens, vocab, hidden_size, 2)
     chunk = torch.randn(rows, vocab, device="cuda", generator=gen).bfloat16() * 1e-3
     grad_hidden = torch.empty(rows, hidden_size, device="cuda")
     grad_weight = torch.empty(vocab, hidden_size, device="cuda")

@@ -101,7 +101,9 @@ def sm_clock_mhz() -> int | None:
 
 
 def with_chunk_budget(gib: float) -> triton_config.TritonConfig:
-    return dataclasses.replace(triton_config.GPU_CONFIG, loss_chunk_bytes=int(gib * GIB))
+    """The GPU config with logits chunks of at most ``gib`` (no allowance from the gradients)."""
+    config = triton_config.GPU_CONFIG
+    return dataclasses.replace(config, loss_chunk_bytes=int(gib * GIB), loss_peak_grads=0.0)
 
 
 def chunk_budgets(inp: dict, main_grad: torch.Tensor) -> list[dict]:
@@ -112,8 +114,8 @@ def chunk_budgets(inp: dict, main_grad: torch.Tensor) -> list[dict]:
         for gib in CHUNK_BUDGETS_GIB:
             triton_config.GPU_CONFIG = with_chunk_budget(gib)
             run = main_grad_run(inp, main_grad)
-            num_tokens, vocab = inp["hidden"].shape[0], inp["weight"].shape[0]
-            chunk = TritonStages().loss_chunk_rows(num_tokens, vocab, 2)
+            (num_tokens, hidden_size), vocab = inp["hidden"].shape, inp["weight"].shape[0]
+            chunk = TritonStages().loss_chunk_rows(num_tokens, vocab, hidden_size, 2)
             row = {"budget_gib": gib, "chunk_rows": chunk, "ms": time_ms(run)}
             row["peak_gib"] = peak_gib(run)[0]
             rows.append(row)
@@ -127,7 +129,7 @@ def stage_times(inp: dict, main_grad: torch.Tensor) -> dict:
     """One default-size chunk's stages alone, and alternatives to them (ms)."""
     hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"].clamp(min=-1)
     num_tokens, hidden_size = hidden.shape
-    rows = TritonStages().loss_chunk_rows(num_tokens, weight.shape[0], 2)
+    rows = TritonStages().loss_chunk_rows(num_tokens, weight.shape[0], hidden_size, 2)
     h, t = hidden[:rows], targets[:rows]
     logits = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device="cuda")
     stats = torch.empty(len(dataclasses.fields(ShardStats)), rows, device="cuda")

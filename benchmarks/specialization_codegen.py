@@ -77,7 +77,7 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
     # As lce.autograd.token_grads builds them: fresh fp32 rows, bf16 grad_weight.
     rows = BackwardRows(*torch.empty(len(dataclasses.fields(BackwardRows)), num_tokens).unbind(0))
     grad_weight = torch.empty_like(weight)
-    chunks = stages._dlogits_chunks(num_tokens, weight, grad_weight, GPU_CONFIG)
+    chunks = stages._dlogits_chunks(num_tokens, weight, grad_weight, GPU_CONFIG, kept=False)
     for index in (0, len(chunks) - 1):
         chunk, buffer = chunks[index]
         backward_kernel.dlogits_chunk(
@@ -85,7 +85,7 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
             buffer, GPU_CONFIG,
         )  # fmt: skip
         launches[f"d_logits[{index}]"] = captured.pop("d_logits")
-    step = stages.TritonStages(GPU_CONFIG).loss_chunk_rows(num_tokens, vocab_local, 2)
+    step = stages.TritonStages(GPU_CONFIG).loss_chunk_rows(num_tokens, vocab_local, hidden_size, 2)
     logits = torch.empty(step, vocab_local, dtype=torch.bfloat16)
     stats = torch.empty(len(dataclasses.fields(ShardStats)), num_tokens)
     loss_kernels.row_stats_into(logits, None, targets[:step], vocab_start, plain, stats[:, :step])

@@ -81,7 +81,8 @@ def _common_chunk_rows(
 ) -> int:
     """The backend's tokens per chunk, the smallest over the TP group: every chunk merges its
     rows over the group, so all ranks must cut the same chunks whatever their shard's size."""
-    rows = stages.loss_chunk_rows(hidden.shape[0], weight.shape[0], weight.element_size())
+    (num_tokens, hidden_size), vocab_local = hidden.shape, weight.shape[0]
+    rows = stages.loss_chunk_rows(num_tokens, vocab_local, hidden_size, weight.element_size())
     if shard.group is None:
         return rows
     agreed = torch.tensor([rows], dtype=torch.int64, device=hidden.device)

@@ -37,11 +37,14 @@ class TorchChunkedStages:
         self.chunk_size = chunk_size
 
     def _chunks(self, num_tokens: int, vocab_local: int) -> Iterator[slice]:
-        size = self.loss_chunk_rows(num_tokens, vocab_local, 0)
+        size = self.loss_chunk_rows(num_tokens, vocab_local, 0, 0)
         return (slice(start, start + size) for start in range(0, num_tokens, size))
 
-    def loss_chunk_rows(self, num_tokens: int, vocab_local: int, itemsize: int) -> int:
-        """Tokens per chunk: ``chunk_size``, else ~64 MiB of fp32 logits (``itemsize`` unused)."""
+    def loss_chunk_rows(
+        self, num_tokens: int, vocab_local: int, hidden_size: int, itemsize: int
+    ) -> int:
+        """Tokens per chunk: ``chunk_size``, else ~64 MiB of fp32 logits (``hidden_size`` and
+        ``itemsize`` unused)."""
         return self.chunk_size or default_chunk_size(vocab_local)
 
     def forward_stats(
@@ -154,7 +157,7 @@ class TorchChunkedStages:
         grads = _grad_buffers(hidden, weight, own_weight)
         if wanted.weight and grad_weight_out is not None:
             grads = grads._replace(weight=grad_weight_out)
-        step = chunk_rows or self.loss_chunk_rows(hidden.shape[0], weight.shape[0], 0)
+        step = chunk_rows or self.loss_chunk_rows(hidden.shape[0], weight.shape[0], 0, 0)
         local, owned = _local_targets(targets, vocab_start, weight.shape[0])
         for start in range(0, hidden.shape[0], step):
             rows = slice(start, start + step)

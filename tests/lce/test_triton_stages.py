@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import NamedTuple
 
 import pytest
@@ -298,7 +298,7 @@ def test_backward_dlogits_inside_grad_weight(dtype):
     tile = num_tokens * hidden.element_size() * 64
     config = small_config(chunk_bytes=2 * tile, aliased_chunk_bytes=3 * tile, tail_chunk_bytes=tile)
     free = torch.empty_like(weight)
-    chunks = stages_module._dlogits_chunks(num_tokens, weight, free, config)
+    chunks = stages_module._dlogits_chunks(num_tokens, weight, free, config, kept=False)
     assert [c.start for c, _ in chunks] == [0] + [c.stop for c, _ in chunks[:-1]]
     assert chunks[-1][0].stop == vocab
     inside = [d._base is free for _, d in chunks]
@@ -326,7 +326,7 @@ def test_dlogits_chunks_at_llama3_8k_stay_inside_grad_weight():
     (num_tokens, hidden_size, vocab), config = (8192, 4096, 128256), GPU_CONFIG
     weight = torch.empty(vocab, hidden_size, dtype=torch.bfloat16, device="meta")
     free = torch.empty_like(weight)
-    chunks = stages_module._dlogits_chunks(num_tokens, weight, free, config)
+    chunks = stages_module._dlogits_chunks(num_tokens, weight, free, config, kept=False)
     assert [c.start for c, _ in chunks] == [0] + [c.stop for c, _ in chunks[:-1]]
     assert chunks[-1][0].stop == vocab
     own = set()
@@ -340,6 +340,45 @@ def test_dlogits_chunks_at_llama3_8k_stay_inside_grad_weight():
     (buffer,) = own
     assert buffer.numel() * buffer.element_size() <= config.tail_chunk_bytes
     assert len(chunks) <= 22
+
+
+def test_dlogits_chunks_of_kept_logits_take_buffers_of_their_own():
+    """With kept logits (peak allowance 1.5x the gradients beyond them) the GPU config's chunks
+    at qwen2.5-16k are `kept_chunk_bytes` wide in one buffer of their own, not narrowing slivers
+    in grad_weight's rows: a few chunks, each one more fp32 pass over grad_hidden's sums."""
+    (num_tokens, hidden_size, vocab), config = (16384, 3584, 152064), GPU_CONFIG
+    weight = torch.empty(vocab, hidden_size, dtype=torch.bfloat16, device="meta")
+    free = torch.empty_like(weight)
+    recomputing = stages_module._dlogits_chunks(num_tokens, weight, free, config, kept=False)
+    kept = stages_module._dlogits_chunks(num_tokens, weight, free, config, kept=True)
+    assert [c.start for c, _ in kept] == [0] + [c.stop for c, _ in kept[:-1]]
+    assert kept[-1][0].stop == vocab
+    assert all(d._base is not free for _, d in kept)
+    assert len({id(d._base) for _, d in kept}) == 1
+    width = config.kept_chunk_bytes // (num_tokens * 2) // config.backward.block_v
+    assert kept[0][0].stop == width * config.backward.block_v
+    assert len(kept) == 13 and len(recomputing) > 2 * len(kept)
+
+
+@pytest.mark.parametrize(
+    ("shape", "rows", "fixed_rows"),
+    [
+        ((8192, 4096, 128256), 4096, 4096),
+        ((16384, 3584, 152064), 4096, 4096),
+        ((8192, 2304, 256000), 2816, 2048),
+    ],
+    ids=["llama3-8k", "qwen2.5-16k", "gemma2-8k"],
+)
+def test_loss_chunk_rows_fill_the_peak_allowance(shape, rows, fixed_rows):
+    """The 3-GEMM loss's logits chunk with the GPU config: `loss_chunk_bytes` (1.25 GiB), or
+    what 1.45x the gradients leaves beside the fp32 grad_hidden where that is more (gemma2-8k:
+    3 chunks instead of 4); chunk and grad_hidden within 1.45x the gradients either way."""
+    num_tokens, hidden_size, vocab = shape
+    assert TritonStages(GPU_CONFIG).loss_chunk_rows(num_tokens, vocab, hidden_size, 2) == rows
+    grads = (num_tokens + vocab) * hidden_size * 2
+    assert rows * vocab * 2 + 4 * num_tokens * hidden_size <= GPU_CONFIG.loss_peak_grads * grads
+    fixed = TritonStages(replace(GPU_CONFIG, loss_peak_grads=0.0))
+    assert fixed.loss_chunk_rows(num_tokens, vocab, hidden_size, 2) == fixed_rows
 
 
 def test_backward_need_flags_and_low_precision_grad_weight():

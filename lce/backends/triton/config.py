@@ -94,6 +94,20 @@ class TritonConfig:
     (token tile, split) items; compiled with TMA loads it is warp-specialized, so the loads of one
     item overlap the softmax epilogue of the last (H100 llama3-8k: 13.1 vs 13.9 ms, one GEMM
     11.8). False launches one program per item.
+    ``kept_chunk_bytes``: with kept logits, the backward's d_logits chunks are this wide, in a
+    buffer of their own (no chunk in grad_weight's rows). The kept path's peak allowance is 1.5x
+    the gradients beyond the logits, not the recomputing path's 1.15x, and fewer chunks mean fewer
+    fp32 passes over grad_hidden's sums: on an H100, mean loss fwd+bwd in interleaved rounds,
+    16 MiB tail chunks took 39.5 / 87.3 / 48.7 ms at llama3-8k / qwen2.5-16k / gemma2-8k, 384 MiB
+    ones (in a 1 GiB aliased chunk's wake) 38.6 / 84.0 / 46.7, at peaks within that allowance.
+    ``loss_chunk_bytes``: most bytes of a logits chunk of the 3-GEMM loss (`loss_pass`), unless
+    ``loss_peak_grads`` allows more: the chunk may take what that multiple of the call's gradient
+    bytes (``(T + V_local) * H`` in weight's dtype) leaves beside the pass's fp32 grad_hidden
+    (``4 * T * H``), so the pass's peak stays near it. Each chunk adds its grad_weight to the fp32
+    buffer, one read and write of ``[V_local, H]``: fewer chunks, less traffic. On an H100 at
+    gemma2-8k (``grad_weight_into``, interleaved rounds): 4 chunks of 2048 rows 49.7 ms, peak
+    1.05 GiB; 3 of 2816 47.6 ms, 1.41 GiB (the gradients: 1.13 GiB). 0 (the interpreter's):
+    ``loss_chunk_bytes`` alone.
     ``grad_weight_fp32``: False (default; the StageBackend contract allows it) returns grad_weight
     in weight's dtype, written by cuBLAS from its fp32 accumulator (`gemm.fp32_reductions`): the
     single rounding autograd's cast to weight's dtype would make, without a ``[V_local, H]`` fp32
@@ -113,6 +127,8 @@ class TritonConfig:
     grad_weight_fp32: bool = False
     persistent: bool = True
     loss_chunk_bytes: int = 5 << 28
+    loss_peak_grads: float = 0.0
+    kept_chunk_bytes: int = 128 << 20
 
     def __post_init__(self) -> None:
         if self.fp32_precision not in FP32_PRECISIONS:
@@ -121,9 +137,13 @@ class TritonConfig:
             )
         if self.tiles_per_program < 1:
             raise ValueError(f"tiles_per_program must be >= 1, got {self.tiles_per_program}")
-        for name in ("chunk_bytes", "tail_chunk_bytes", "aliased_chunk_bytes", "loss_chunk_bytes"):
+        sizes = ("chunk_bytes", "tail_chunk_bytes", "aliased_chunk_bytes", "loss_chunk_bytes",
+                 "kept_chunk_bytes")  # fmt: skip
+        for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.loss_peak_grads < 0:
+            raise ValueError(f"loss_peak_grads must be >= 0, got {self.loss_peak_grads}")
         capped = self.backward_capped
         if capped is not None and self.backward.block_v % capped.block_v:
             raise ValueError(
@@ -145,6 +165,7 @@ INTERPRETER_CONFIG = TritonConfig(
     tiles_per_program=4,
     chunk_bytes=1 << 20,
     loss_chunk_bytes=1 << 20,
+    kept_chunk_bytes=1 << 20,
 )
 
 # Hopper (H100/H200) bf16, picked by benchmarks/kernel_gpu.py's sweep (see docs/bench/triton.md).
@@ -167,6 +188,10 @@ GPU_CONFIG = TritonConfig(
         block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=3, block_h_fp32=32
     ),
     tiles_per_program=1,
+    kept_chunk_bytes=384 << 20,
+    # Issue 33's peak target for the 3-GEMM loss is 1.5x the gradients; 0.05 of it is left for
+    # the per-token statistics and the merge's temporaries.
+    loss_peak_grads=1.45,
 )
 
 

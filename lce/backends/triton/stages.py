@@ -127,7 +127,7 @@ class TritonStages:
         if num_tokens == 0 or weight.shape[0] == 0 or not any(wanted):
             return grads._replace(hidden=_result(grad_hidden))
         free_rows = grads.weight if len(blocks) == 1 and grads.weight is not None else None
-        chunks = _dlogits_chunks(blocks[0].stop, weight, free_rows, config)
+        chunks = _dlogits_chunks(blocks[0].stop, weight, free_rows, config, kept is not None)
         if kept is None:
             rows = BackwardRows(
                 *(s.float().contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
@@ -212,7 +212,9 @@ class TritonStages:
         grads = _loss_grad_buffers(hidden, weight, wanted, grad_weight_out)
         own_buffer = wanted.weight and grad_weight_out is None
         shard_stats = ShardStats(*stats.unbind(0))
-        step = chunk_rows or self.loss_chunk_rows(num_tokens, vocab_local, weight.element_size())
+        step = chunk_rows or self.loss_chunk_rows(
+            num_tokens, vocab_local, hidden.shape[1], weight.element_size()
+        )
         buffer = torch.empty(min(step, num_tokens), vocab_local, dtype=weight.dtype, device=device)
         targets, bias = targets.contiguous(), _contiguous(bias)
         for start in range(0, num_tokens, step):
@@ -235,14 +237,28 @@ class TritonStages:
                 grads.bias.add_(logits.sum(dim=0, dtype=torch.float32))
         return shard_stats, grads
 
-    def loss_chunk_rows(self, num_tokens: int, vocab_local: int, itemsize: int) -> int:
-        """Token rows per logits chunk: at most ``loss_chunk_bytes`` worth, the chunks of one
+    def loss_chunk_rows(
+        self, num_tokens: int, vocab_local: int, hidden_size: int, itemsize: int
+    ) -> int:
+        """Token rows per logits chunk: at most `loss_chunk_budget` bytes, the chunks of one
         call equal and a multiple of `LOSS_ROW_ALIGN` where that fits (GEMM tiles)."""
+        budget = loss_chunk_budget(self._config(), num_tokens, vocab_local, hidden_size, itemsize)
         num_tokens = max(num_tokens, 1)
-        most = max(1, self._config().loss_chunk_bytes // (itemsize * max(vocab_local, 1)))
+        most = max(1, budget // (itemsize * max(vocab_local, 1)))
         rows = -(-num_tokens // -(-num_tokens // most))  # ceil(T / number of chunks)
         aligned = -(-rows // LOSS_ROW_ALIGN) * LOSS_ROW_ALIGN
         return min(num_tokens, aligned if aligned <= most else rows)
+
+
+def loss_chunk_budget(
+    config: TritonConfig, num_tokens: int, vocab_local: int, hidden_size: int, itemsize: int
+) -> int:
+    """Most bytes of one logits chunk of the 3-GEMM loss: ``loss_chunk_bytes``, or where more,
+    what ``loss_peak_grads`` times the gradients' bytes leaves beside the pass's fp32
+    grad_hidden (see `TritonConfig`)."""
+    grads = (num_tokens + vocab_local) * hidden_size * itemsize
+    beside = 4 * num_tokens * hidden_size
+    return max(config.loss_chunk_bytes, int(config.loss_peak_grads * grads) - beside)
 
 
 def _result(grad_hidden: RowSum | None) -> torch.Tensor | None:
@@ -317,11 +333,16 @@ def _padded(width: int) -> int:
 
 
 def _dlogits_chunks(
-    num_tokens: int, weight: torch.Tensor, grad_weight: torch.Tensor | None, config: TritonConfig
+    num_tokens: int,
+    weight: torch.Tensor,
+    grad_weight: torch.Tensor | None,
+    config: TritonConfig,
+    kept: bool,
 ) -> list[tuple[slice, torch.Tensor]]:
     """The backward's vocab chunks in order, each with its ``[num_tokens, width]`` d_logits buffer.
 
-    Chunks are ``chunk_bytes`` wide. With ``grad_weight`` (written chunk by chunk, in order) in
+    Chunks are ``chunk_bytes`` wide (``kept_chunk_bytes`` from ``kept`` logits, always in a
+    buffer of their own). Otherwise, with ``grad_weight`` (written chunk by chunk, in order) in
     weight's dtype, a chunk's buffer lies in grad_weight's rows past the chunk, not written yet:
     no buffer of its own, so chunks there are up to ``aliased_chunk_bytes`` wide. The chunks
     narrow as those rows run out; once a ``tail_chunk_bytes`` chunk no longer fits there, a
@@ -332,8 +353,11 @@ def _dlogits_chunks(
     def width(budget: int) -> int:
         return chunk_width(num_tokens, vocab_local, weight.element_size(), budget, block_v)
 
-    widest, tail = width(config.chunk_bytes), width(config.tail_chunk_bytes)
-    inside = grad_weight is not None and grad_weight.dtype == weight.dtype and tail < widest
+    widest = width(config.kept_chunk_bytes if kept else config.chunk_bytes)
+    tail = width(config.tail_chunk_bytes)
+    inside = (
+        not kept and grad_weight is not None and grad_weight.dtype == weight.dtype and tail < widest
+    )
     if inside:
         widest = width(max(config.chunk_bytes, config.aliased_chunk_bytes))
     else:

@@ -86,7 +86,8 @@ def plan(out: Path, gpus: int) -> list[Step]:
              "-n", "8", *KERNEL_TESTS]),
         # The issue-33 table: its peers (not Liger's Triton FLCE nor CCE's default path, which
         # no target names), no stage breakdown (a diagnostic): about 125 s on an H100, where the
-        # whole benchmark ran past its 162 s share (2026-12-06).
+        # whole benchmark ran past its 162 s share (2026-12-06); its 15 interleaved rounds (5
+        # timed calls a row before) add about a minute by the rounds' own times.
         Step("kernel_benchmark", 0.23, [py, "benchmarks/kernel_gpu.py", "--no-sweep",
              "--breakdown-shapes", "", "--skip-peers", NON_TARGET_PEERS,
              "--json", str(out / "kernel_gpu.json")]),

@@ -97,9 +97,11 @@ class TritonConfig:
     ``kept_chunk_bytes``: with kept logits, the backward's d_logits chunks are this wide, in a
     buffer of their own (no chunk in grad_weight's rows). The kept path's peak allowance is 1.5x
     the gradients beyond the logits, not the recomputing path's 1.15x, and fewer chunks mean fewer
-    fp32 passes over grad_hidden's sums: on an H100, mean loss fwd+bwd in interleaved rounds,
-    16 MiB tail chunks took 39.5 / 87.3 / 48.7 ms at llama3-8k / qwen2.5-16k / gemma2-8k, 384 MiB
-    ones (in a 1 GiB aliased chunk's wake) 38.6 / 84.0 / 46.7, at peaks within that allowance.
+    fp32 passes over grad_hidden's sums. On an H100, mean loss fwd+bwd in interleaved rounds at
+    llama3-8k / qwen2.5-16k / gemma2-8k: the recomputing path's chunks (slivers, then 16 MiB)
+    39.5 / 87.3 / 48.7 ms; aliased chunks then 384 MiB ones 38.6 / 84.0 / 46.7; 512 MiB chunks of
+    their own 38.5 / 82.6 / 46.2, over the peak allowance at the first two shapes. 384 MiB of
+    their own (this config) keeps within it by arithmetic; it was not timed on a GPU.
     ``loss_chunk_bytes``: most bytes of a logits chunk of the 3-GEMM loss (`loss_pass`), unless
     ``loss_peak_grads`` allows more: the chunk may take what that multiple of the call's gradient
     bytes (``(T + V_local) * H`` in weight's dtype) leaves beside the pass's fp32 grad_hidden

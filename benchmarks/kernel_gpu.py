@@ -50,7 +50,7 @@ from verify.numerics.reference import IGNORE_INDEX
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "lce"))
 import kernel_targets  # this script's folder is on sys.path
 import option_rows
-from rounds import Rounds
+from rounds import Rounds, event_ms
 from test_triton_stages import reference_grads, reference_rows, reference_stats
 
 PLAIN = LogitOptions()  # temperature 1, no other option: the plain LM head
@@ -70,15 +70,7 @@ def time_ms(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(event_ms(fn) for _ in range(iters))
 
 
 def peak_gib(fn: Callable[[], object]) -> tuple[float, object]:
@@ -469,16 +461,6 @@ PEERS: dict[str, Callable[[], Callable]] = {
 
 ROUNDS = 15  # one timed call of each row per round (`rounds.Rounds`); with 7, one call timed
 # as two rows came out 2% apart (86.3 and 88.0 ms)
-
-
-def event_ms(fn: Callable[[], object]) -> float:
-    """One call of ``fn`` timed by CUDA events, in ms."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def measure(

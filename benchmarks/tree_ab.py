@@ -31,6 +31,7 @@ FIELDS = ("forward_ms", "gemm_ms", "loss_ms", "loss_peak_gib")
 def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
     """One tree's numbers at ``shape`` (run with that tree first on sys.path)."""
     import torch
+    from rounds import event_ms  # this script's folder, first on sys.path
 
     import lce
     from lce.backends.triton import TritonStages
@@ -42,14 +43,6 @@ def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
     targets = torch.randint(0, vocab, (num_tokens,), device="cuda", generator=gen)
     targets[::17] = -100
     kernel_targets = targets.clamp(min=-1)  # the stage's ids: -1 for an ignored row
-
-    def timed(fn) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
 
     stages = TritonStages()
 
@@ -66,8 +59,8 @@ def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
 
     for fn in (forward, gemm, forward, gemm, loss, loss):  # warm-up: compiles, cuBLAS handles
         fn()
-    pairs = [(timed(forward), timed(gemm)) for _ in range(forward_reps)]
-    loss_times = [timed(loss) for _ in range(loss_reps)]
+    pairs = [(event_ms(forward), event_ms(gemm)) for _ in range(forward_reps)]
+    loss_times = [event_ms(loss) for _ in range(loss_reps)]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

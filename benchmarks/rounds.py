@@ -63,7 +63,7 @@ class Rounds:
                     row.setdefault("round_ms", []).append(self._timer(call))
                 except Exception as exc:  # recorded on its row; the other rows go on
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    self._calls.remove((row, call))
+                    self._calls = [entry for entry in self._calls if entry[0] is not row]
         for row, _ in self._calls:
             row["ms"] = statistics.median(row["round_ms"])
         return self.rows

@@ -18,7 +18,8 @@ from triton.compiler import ASTSource
 from lce.backends.triton.backward_kernel import _dlogits_kernel
 from lce.backends.triton.config import GPU_CONFIG, TileShape
 from lce.backends.triton.forward_kernel import (
-    MERGE_BLOCK,
+    MERGE_BLOCK_S,
+    MERGE_BLOCK_T,
     _forward_partials_kernel,
     _merge_partials_kernel,
     warp_specialized,
@@ -105,7 +106,7 @@ def row_kernel_sizes() -> list[dict]:
     """The memory-bound kernels (split merge, the 3-GEMM loss's rows), bf16, compiled with the
     logit map's switches off and on: the interpreter accepts code the compiler rejects."""
     kernels = (
-        (_merge_partials_kernel, {"BLOCK": MERGE_BLOCK}),
+        (_merge_partials_kernel, {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S}),
         (_row_stats_kernel, {"BLOCK_V": BLOCK_V}),
         (_row_dlogits_kernel, {"BLOCK_V": BLOCK_V, "BF16_INTERPRETED": False}),
     )

@@ -492,28 +492,30 @@ def test_persistent_forward_matches_one_program_per_item(use_tma):
         assert torch.equal(getattr(stats[0], name), getattr(stats[1], name)), name
 
 
-def test_merge_partials_rescales_each_split_and_skips_unseen_ones():
+@pytest.mark.parametrize("num_splits", [7, 150])
+def test_merge_partials_rescales_each_split_and_skips_unseen_ones(num_splits):
     """float64 merge of hand-made partials: split 2 saw nothing on 30 rows, rows 0-4 saw nothing;
     rows 50-59 have two splits tied at the max (one keeps its max lane's 1 out of the sum). The
     maxima are raw dots: their differences are scaled by 1/T = 1/0.7 before the exp. Each split's
     centred sum of the logits (label smoothing) moves by its column count (40; the last 17)
-    times that shift."""
+    times that shift. 150 splits: the merge's tiles of splits, the last one partly past the end."""
     gen = torch.Generator().manual_seed(13)
-    partials = torch.randn(5, 7, 100, generator=gen)
+    partials = torch.randn(5, num_splits, 100, generator=gen)
     partials[0] *= 5
     partials[0, 3, 50:60] = partials[0, :, 50:60].amax(0)
     partials[1] = partials[1].abs() + 0.1
     partials[0, 2, :30] = partials[0, :, :5] = float("-inf")
     partials[1:, 2, :30] = partials[1:, :, :5] = 0.0
     logit = LogitOptions(temperature=0.7, label_smoothing=0.1)
-    got = forward_kernel.merge_partials(partials.to(DEVICE), logit, 6 * 40 + 17, 40)
+    vocab = (num_splits - 1) * 40 + 17
+    got = forward_kernel.merge_partials(partials.to(DEVICE), logit, vocab, 40)
     split_max, nonmax, sumexp_z, target, sum_centred = partials.double().unbind(0)
     row_max = split_max.amax(0)
     seen = split_max > float("-inf")
     shift = torch.where(seen, (split_max - row_max.clamp(min=-1e300)) / 0.7, 0.0)
     scale = torch.where(seen, shift.exp(), 0.0)
     sumexp = torch.where(seen, 1 + nonmax, 0.0)
-    columns = torch.tensor([40.0] * 6 + [17.0], dtype=torch.float64)[:, None]
+    columns = torch.tensor([40.0] * (num_splits - 1) + [17.0], dtype=torch.float64)[:, None]
     expected = {
         "max": row_max,
         "sumexp_nonmax": (scale * sumexp).sum(0) - 1,
@@ -522,7 +524,8 @@ def test_merge_partials_rescales_each_split_and_skips_unseen_ones():
         "sum_centred": torch.where(seen, sum_centred + columns * shift, 0.0).sum(0),
     }
     for name, want in expected.items():
-        # fp32 sums of 7 terms of magnitude <= ~50 (the centred sums ~2000): a few ulps of them.
+        # fp32 sums of <= 150 terms of magnitude <= ~50 (the centred sums ~2000): each within
+        # 150 ulps (9e-6 relative) of the float64 sum, the bound of any order of adding them.
         atol = 1e-5 * max(50.0, want.abs().max().item())
         torch.testing.assert_close(getattr(got, name).double().cpu(), want, rtol=1e-5, atol=atol)
     assert bool((got.max[:5] == float("-inf")).all()) and not got.sumexp[:5].any()

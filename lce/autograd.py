@@ -32,6 +32,19 @@ def kernel_ids(targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, 
     return ignored, torch.where(ignored, IGNORED, targets.long())
 
 
+def token_shares(
+    ignored: torch.Tensor, reduction: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's share of the reduced loss in ``dtype`` (0 where ignored, else 1, or
+    ``1 / count`` for ``mean``) and ``count``, the tokens not ignored (int64, 0-dim)."""
+    valid = ~ignored
+    count = valid.sum()
+    scale = valid.to(dtype)
+    if reduction == "mean":
+        scale = scale / count.clamp_min(1)
+    return scale, count
+
+
 def token_statistics(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -215,10 +228,7 @@ def fast_forward(
     follow the two outputs (backward only scales them by the loss's upstream)."""
     ignore_index, shard = plan.options.ignore_index, plan.shard
     ignored, ids = kernel_ids(targets.reshape(-1), ignore_index)
-    valid_count = (~ignored).sum()
-    acc = accumulation_dtype(weight.dtype)
-    scale = 1.0 if call.reduction == "sum" else 1.0 / valid_count.clamp_min(1).to(acc)
-    grad_loss = torch.where(ignored, 0.0, scale).to(acc)
+    grad_loss, valid_count = token_shares(ignored, call.reduction, accumulation_dtype(weight.dtype))
     result = loss_pass(
         plan.stages, hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, ids,
         shard, plan.options.logit, grad_loss, call.wanted,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lce.autograd import kernel_ids
+from lce.autograd import kernel_ids, token_shares
 from lce.backends.base import Grads, Wanted, accumulation_dtype
 from lce.call import Call
 from lce.loss_pass import loss_pass
@@ -75,8 +75,8 @@ def into_forward(
     ignore_index, logit = plan.options.ignore_index, plan.options.logit
     shard, stages, wanted = plan.shard, plan.stages, call.wanted
     flat_targets = targets.reshape(-1)
-    row_scale, valid_count = _row_scale(flat_targets, weight, plan, call.reduction)
-    _, ids = kernel_ids(flat_targets, ignore_index)
+    ignored, ids = kernel_ids(flat_targets, ignore_index)
+    row_scale, valid_count = token_shares(ignored, call.reduction, accumulation_dtype(weight.dtype))
     _check_before_accumulating(flat_targets, ids, shard, ignore_index)
     result = loss_pass(
         stages, hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, ids, shard,
@@ -109,7 +109,8 @@ def into_backward(
     """`into_forward`'s gradients of hidden and bias, ``buffer`` settled to the true weight
     gradient (the weight's own gradient is `megatron_weight_grad`, outside the op)."""
     flat_targets = targets.reshape(-1)
-    row_scale, valid_count = _row_scale(flat_targets, weight, plan, call.reduction)
+    ignored = flat_targets == plan.options.ignore_index
+    row_scale, valid_count = token_shares(ignored, call.reduction, accumulation_dtype(weight.dtype))
     grad_out = upstream[0]
     if call.reduction == "mean":  # the NaN of an all-ignored mean passes no gradient
         grad_out = torch.where(valid_count > 0, grad_out, torch.zeros_like(grad_out))
@@ -136,17 +137,6 @@ def into_backward(
     if grad_bias is not None:
         grad_bias = grad_bias.to(weight.dtype)
     return Grads(grad_hidden, None, grad_bias)
-
-
-def _row_scale(
-    targets: torch.Tensor, weight: torch.Tensor, plan: Plan, reduction: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's share of the loss (0 where ignored, ``1 / count`` for ``mean``), the count."""
-    valid = targets != plan.options.ignore_index
-    valid_count = valid.sum()
-    acc = accumulation_dtype(weight.dtype)
-    per_row = 1.0 if reduction != "mean" else 1.0 / valid_count.clamp_min(1).to(acc)
-    return torch.where(valid, per_row, 0.0).to(acc), valid_count
 
 
 def _check_before_accumulating(

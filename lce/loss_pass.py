@@ -54,13 +54,13 @@ def loss_pass(
     ``grad_loss`` 0 there). ``grad_weight_out`` (fp32 ``[V_local, H]``) receives the weight
     gradient added to its content. Every TP rank must call with the same rows.
     """
-    owned = shard.owns(kernel_targets)
     acc = accumulation_dtype(weight.dtype)
     per_token = torch.zeros(3, kernel_targets.shape[0], dtype=acc, device=kernel_targets.device)
     losses, z_terms, owners = per_token.unbind(0)
 
     def merge(stats: ShardStats, rows: slice) -> BackwardRows:
-        merged = merge_stats(select_rows(stats, rows), owned[rows], shard, logit)
+        owned = shard.owns(kernel_targets[rows])  # here, behind the chunk's logits GEMM
+        merged = merge_stats(select_rows(stats, rows), owned, shard, logit)
         loss, z_term = token_loss(merged.logprob, merged.lse, merged.smooth, logit)
         losses[rows] = loss
         if z_term is not None:

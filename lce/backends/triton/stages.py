@@ -207,8 +207,11 @@ class TritonStages:
         _check_operands(hidden, weight, targets)
         num_tokens, vocab_local = hidden.shape[0], weight.shape[0]
         device = hidden.device
-        stats = torch.zeros(len(fields(ShardStats)), num_tokens, dtype=torch.float32, device=device)
-        stats[0] = float("-inf")
+        # Each chunk's `row_stats_into` writes its rows; an empty shard's stay empty (no launch
+        # before the first GEMM where they are written: after a host sync the GPU waits for it).
+        stats = torch.empty(len(fields(ShardStats)), num_tokens, dtype=torch.float32, device=device)
+        if vocab_local == 0:
+            stats.zero_()[0] = float("-inf")
         grads = _loss_grad_buffers(hidden, weight, wanted, grad_weight_out)
         own_buffer = wanted.weight and grad_weight_out is None
         shard_stats = ShardStats(*stats.unbind(0))

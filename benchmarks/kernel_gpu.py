@@ -41,7 +41,7 @@ from lce.backends.gemm import addmm_, mm_into
 from lce.backends.triton import TileShape, TritonStages
 from lce.backends.triton import config as triton_config
 from lce.backends.triton.backward_kernel import dlogits_chunk
-from lce.backends.triton.forward_kernel import forward_partials
+from lce.backends.triton.forward_kernel import forward_partials, merge_partials
 from lce.backends.triton.stages import chunk_width
 from lce.options import LogitOptions
 from lce.tp import VocabShard, merge_stats
@@ -223,9 +223,15 @@ def breakdown(num_tokens: int, hidden_size: int, vocab: int) -> dict:
     zero = torch.zeros_like(g_lp)
     rows = merged.backward_rows(TokenUpstream(g_lp, zero, zero, zero))
     args = (hidden, weight, None, targets, 0, PLAIN, rows)
+    partials, split_cols = forward_partials(
+        hidden, weight, None, targets, 0, PLAIN, triton_config.GPU_CONFIG
+    )
     out = {
         "forward_stats_ms": time_ms(
             lambda: stages.forward_stats(hidden, weight, None, targets, 0, PLAIN)
+        ),
+        "merge_partials_ms": time_ms(
+            lambda: merge_partials(partials, PLAIN, weight.shape[0], split_cols)
         ),
         "backward_grads_ms": time_ms(lambda: stages.backward_grads(*args, Wanted(True, True))),
         "backward_grad_weight_only_ms": time_ms(

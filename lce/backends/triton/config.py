@@ -101,7 +101,8 @@ class TritonConfig:
     llama3-8k / qwen2.5-16k / gemma2-8k: the recomputing path's chunks (slivers, then 16 MiB)
     39.5 / 87.3 / 48.7 ms; aliased chunks then 384 MiB ones 38.6 / 84.0 / 46.7; 512 MiB chunks of
     their own 38.5 / 82.6 / 46.2, over the peak allowance at the first two shapes. 384 MiB of
-    their own (this config) keeps within it by arithmetic; it was not timed on a GPU.
+    their own (this config; peak 3.44 / 6.25 / 5.45 GiB, within it): 39.0 / 82.1 / 46.8 against
+    39.8 / 88.5 / 48.0 for 128 MiB of their own, in another run.
     ``loss_chunk_bytes``: most bytes of a logits chunk of the 3-GEMM loss (`loss_pass`), unless
     ``loss_peak_grads`` allows more: the chunk may take what that multiple of the call's gradient
     bytes (``(T + V_local) * H`` in weight's dtype) leaves beside the pass's fp32 grad_hidden

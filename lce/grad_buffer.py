@@ -109,7 +109,7 @@ def into_backward(
     """`into_forward`'s gradients of hidden and bias, ``buffer`` settled to the true weight
     gradient (the weight's own gradient is `megatron_weight_grad`, outside the op)."""
     flat_targets = targets.reshape(-1)
-    ignored = flat_targets == plan.options.ignore_index
+    ignored, ids = kernel_ids(flat_targets, plan.options.ignore_index)
     row_scale, valid_count = token_shares(ignored, call.reduction, accumulation_dtype(weight.dtype))
     grad_out = upstream[0]
     if call.reduction == "mean":  # the NaN of an all-ignored mean passes no gradient
@@ -125,7 +125,6 @@ def into_backward(
     if grad_bias is not None:
         grad_bias = grad_bias.clone()  # the saved one stays as saved (a second backward)
     if wanted.weight or wanted.bias:
-        _, ids = kernel_ids(flat_targets, plan.options.ignore_index)
         operands = (
             hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, ids, plan.shard,
             plan.options.logit, plan.stages,

@@ -4,14 +4,15 @@ Run from the repo root (each peer is used when its package imports; wheels trave
     PYTHONPATH=. python benchmarks/kernel_gpu.py --no-sweep --json results.json
 Steps: (1) the compiled kernels vs float64 at one large shape; (2) a tile sweep of both kernels at
 llama3-8k, the fastest tiles become the config of (3) (``--no-sweep`` keeps the configured ones);
-(3) the stages' breakdown (``--breakdown-shapes``); (4) per shape: one bf16 GEMM, stock PyTorch,
-lce triton (default, fast, main_grad), the cuBLAS GEMMs of the main_grad path alone, lce and
-stock with a softcap and a z-loss (`option_rows`, at `OPTION_SHAPES`),
-and the peers (`PEERS`: Liger's Triton FLCE and Hopper CuTe kernels, QuACK, Apple CCE and its
-torch_compile path; the scalar-loss peers also with their grad_weight added to an fp32
-main_grad): peak memory above the inputs (GiB) and normwise grad errors vs an fp32 materialized
-reference, row by row; then the times of every row in interleaved rounds (`rounds.Rounds`: median
-ms, each round's in ``round_ms``); then each issue's verdicts (`kernel_targets`). The stage tests
+(3) the stages' breakdown (``--breakdown-shapes``); (4) per shape: the GEMM floors (1, 3 and 4
+bf16 GEMMs, each in one call), stock PyTorch, lce triton (default, fast, main_grad), the cuBLAS
+GEMMs of the main_grad path alone, lce and stock with a softcap and a z-loss (`option_rows`, at
+`OPTION_SHAPES`), and the peers (`PEERS`: Liger's Triton FLCE and Hopper CuTe kernels, QuACK,
+Apple CCE and its torch_compile path; the scalar-loss peers also with their grad_weight added to
+an fp32 main_grad): peak memory above the inputs (GiB) and normwise grad errors vs an fp32
+materialized reference, row by row; then the times of every row in interleaved rounds
+(`rounds.Rounds`: median ms, each round's in ``round_ms``; ``--timing``: each call behind a GEMM
+load, or right after a sync); then each issue's verdicts (`kernel_targets`). The stage tests
 run apart: pytest tests/lce/test_triton_stages.py.
 """
 
@@ -50,7 +51,7 @@ from verify.numerics.reference import IGNORE_INDEX
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "lce"))
 import kernel_targets  # this script's folder is on sys.path
 import option_rows
-from rounds import Rounds, event_ms
+from rounds import TIMERS, Rounds, Timer, event_ms
 from test_triton_stages import reference_grads, reference_rows, reference_stats
 
 PLAIN = LogitOptions()  # temperature 1, no other option: the plain LM head
@@ -499,16 +500,17 @@ def measure(
     return table.add(row, fn)
 
 
-def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
+def bench_shape(shape: str, peers: dict[str, Callable], timer: Timer) -> dict:
     """Every row of one shape: peak and errors row by row, then the times in `ROUNDS`
-    interleaved rounds over all of them (`rounds.Rounds`)."""
+    interleaved rounds over all of them (`rounds.Rounds`, each call timed by ``timer``)."""
     num_tokens, hidden_size, vocab = SHAPES[shape]
     inp = make_inputs(num_tokens, hidden_size, vocab)
     ref = fp32_reference(inp)
     gc.collect()
     torch.cuda.empty_cache()
-    table = Rounds(event_ms)
-    measure(table, kernel_targets.GEMM, lambda: inp["hidden"] @ inp["weight"].T, None, None)
+    table = Rounds(timer)
+    for gemms in FLOOR_GEMMS:
+        measure(table, kernel_targets.gemms_method(gemms), gemm_call(inp, gemms), None, None)
     forwards = {
         "stock PyTorch": lambda: stock_forward(inp),
         "lce triton": functools.partial(lce_loss, **_args(inp), mode="token"),
@@ -530,6 +532,21 @@ def bench_shape(shape: str, peers: dict[str, Callable]) -> dict:
     grads_gib = (num_tokens + vocab) * hidden_size * 2 / GIB
     rows = table.time(ROUNDS)
     return {"shape": shape, "T_H_V": SHAPES[shape], "grads_gib": grads_gib, "rows": rows}
+
+
+# The floors' GEMM counts: the forward's one, the scalar loss's 3, the recomputing paths' 4.
+FLOOR_GEMMS = (1, 3, 4)
+
+
+def gemm_call(inp: dict, gemms: int) -> Callable[[], torch.Tensor]:
+    """``gemms`` times ``hidden @ weight.T`` in one call (each product freed by the next)."""
+
+    def run() -> torch.Tensor:
+        for _ in range(gemms):
+            logits = inp["hidden"] @ inp["weight"].T
+        return logits
+
+    return run
 
 
 @contextlib.contextmanager
@@ -676,11 +693,14 @@ def _cell(value: float | None, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
+MODE_GEMMS = {"fwd": 1, "mean": 3, "token": 4}
+
+
 def print_table(result: dict) -> None:
-    """Markdown table of one shape; ratios against its GEMM timing (`kernel_targets.gemm_ms`)."""
+    """Markdown table of one shape; ratios against its GEMM floors (`kernel_targets.gemm_ms`:
+    one GEMM for the forward, 3 for the mean loss, 4 per token)."""
     rows = result["rows"]
-    gemm = kernel_targets.gemm_ms(rows)
-    floors = {"fwd": gemm, "mean": 3 * gemm, "token": 4 * gemm}
+    floors = {mode: kernel_targets.gemm_ms(rows, n) for mode, n in MODE_GEMMS.items()}
     print(f"\n## {result['shape']} {result['T_H_V']}  (grads floor {result['grads_gib']:.2f} GiB)")
     print("| method | mode | ms | x floor | peak GiB | x grads | gx rel | gw rel |")
     print("|---|---|---|---|---|---|---|---|")
@@ -709,11 +729,16 @@ def main() -> None:
         "--breakdown-shapes", default=TARGET_SHAPE, help="SHAPES keys of the stage breakdown"
     )
     parser.add_argument("--skip-peers", default="", help="comma-separated peer names not to run")
+    parser.add_argument(
+        "--timing", choices=tuple(TIMERS), default="loaded",
+        help="each timed call queued behind a GEMM load (loaded) or right after a sync (synced)",
+    )  # fmt: skip
     args = parser.parse_args()
     env = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "timing": args.timing,
     }
     print(env, flush=True)
     report: dict = {"env": env}
@@ -734,7 +759,7 @@ def main() -> None:
     peers, report["peers_unavailable"] = peer_losses(skip)
     report["shapes"] = []
     for shape in args.shapes.split(","):
-        report["shapes"].append(bench_shape(shape, peers))
+        report["shapes"].append(bench_shape(shape, peers, TIMERS[args.timing]()))
         gc.collect()
         torch.cuda.empty_cache()
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -55,6 +55,19 @@ def test_a_missing_row_names_itself() -> None:
         _judge([r for r in ROWS if not (r["method"] == "lce triton" and r["mode"] == "token")])
 
 
+def test_a_floor_timed_as_one_call_of_its_gemms_counts_over_multiples_of_one() -> None:
+    # Session 13's H100 numbers at llama3-8k: 4 GEMMs in one call 46.02 ms, one GEMM 10.71.
+    rows = [_row("1 bf16 GEMM", "fwd", 10.71), _row("lce triton", "token", 48.35)]
+    assert kernel_targets.gemm_ms(rows, 4) == pytest.approx(4 * 10.71)  # no 4-GEMM row
+    rows.append(_row(kernel_targets.gemms_method(4), "fwd", 46.02))
+    assert kernel_targets.gemm_ms(rows, 4) == 46.02
+    assert kernel_targets.gemm_ms(rows, 1) == 10.71
+    assert kernel_targets.over_gemms(rows, "lce triton", "token", 4) == pytest.approx(48.35 / 46.02)
+    assert kernel_targets.gemm_ms(rows, 3) == pytest.approx(3 * 10.71)
+    with pytest.raises(KeyError, match="1 bf16 GEMM"):
+        kernel_targets.gemm_ms([_row("lce triton", "token", 48.35)], 3)
+
+
 def _judge(rows):
     return kernel_targets.judge(rows, GRADS_GIB)
 

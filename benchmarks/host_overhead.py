@@ -1,10 +1,14 @@
 """How much of each path's time after a host sync is spent waiting on the host (issue 33).
 
-`kernel_gpu.py` times every call after a sync, as a benchmark loop does: the GPU idles while Python
-prepares the call's first kernels. In a training step the host is usually ahead (the layers before
-the LM head still run), so that wait is hidden. Here every row is timed both ways in the same
-interleaved rounds: after a sync, and queued behind a GPU spin of ``--ahead-ms`` (the host then
-enqueues the whole call before the GPU reaches it). The difference is the GPU's wait on the host.
+`kernel_gpu.py --timing synced` times every call after a sync, as a plain benchmark loop does: the
+GPU idles while Python prepares the call's first kernels. In a training step the host is usually
+ahead (the layers before the LM head still run), so that wait is hidden. Here every row is timed
+both ways in the same interleaved rounds: after a sync, and queued behind ``--load-ms`` of GEMMs
+(`rounds.BehindLoad`: the host then enqueues the call while the GPU works). The difference is
+the GPU's wait on the host. (Until session 13 the call was queued behind a low-power GPU spin,
+after which an H100, which runs these loads at its power cap, ran every kernel ~8% faster: at
+llama3-8k the per-token path's 4.6 ms "wait" was 0.9 ms before its first kernel and 3.7 ms of
+faster kernels, and four cuBLAS GEMMs "waited" 4 ms.)
 
     PYTHONPATH=. python benchmarks/host_overhead.py --json host.json [--shapes llama3-8k]
 """
@@ -18,34 +22,29 @@ from pathlib import Path
 
 import kernel_gpu as kg  # this script's folder is on sys.path
 import torch
-from rounds import Rounds, event_ms
+from rounds import BehindLoad, Rounds, event_ms
 
 ROUNDS = 9
 
 
 class Ahead:
-    """A call to time queued behind a GPU spin (see `spin_then_time`)."""
+    """A call to time queued behind the GEMM load (see `Timing`)."""
 
-    def __init__(self, call: Callable[[], object], cycles: int) -> None:
-        self.call, self.cycles = call, cycles
+    def __init__(self, call: Callable[[], object]) -> None:
+        self.call = call
 
     def __call__(self) -> object:
         return self.call()
 
 
-def spin_then_time(call: Callable[[], object]) -> float:
-    """`rounds.event_ms` of ``call``; an `Ahead` call starts behind its GPU spin."""
-    if isinstance(call, Ahead):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(call.cycles)
-    return event_ms(call)
+class Timing:
+    """The rounds' timer: an `Ahead` call behind the GEMM load, any other right after a sync."""
 
+    def __init__(self, load_ms: float) -> None:
+        self.behind_load = BehindLoad(load_ms)
 
-def cycles_per_ms() -> float:
-    """The GPU spin's cycles per ms, measured (the spin counts SM clock cycles)."""
-    probe = 10_000_000
-    torch.cuda._sleep(probe)  # warm-up
-    return probe / event_ms(lambda: torch.cuda._sleep(probe))
+    def __call__(self, call: Callable[[], object]) -> float:
+        return self.behind_load(call) if isinstance(call, Ahead) else event_ms(call)
 
 
 def paths(inp: dict, main_grad: torch.Tensor) -> dict[str, tuple[str, Callable[[], object]]]:
@@ -67,18 +66,18 @@ def paths(inp: dict, main_grad: torch.Tensor) -> dict[str, tuple[str, Callable[[
     }
 
 
-def bench_shape(shape: str, ahead_ms: float, cycles: float) -> list[dict]:
+def bench_shape(shape: str, load_ms: float) -> list[dict]:
     """Each path's median ms after a sync and with the host ahead, and the GPU's wait between."""
     inp = kg.make_inputs(*kg.SHAPES[shape])
     main_grad = torch.zeros(inp["weight"].shape, dtype=torch.float32, device="cuda")
-    table = Rounds(spin_then_time)
+    table = Rounds(Timing(load_ms))
     pairs = []
     for method, (mode, call) in paths(inp, main_grad).items():
         call()  # compile and warm up
         synced = table.add({"method": method, "mode": mode, "timing": "after sync"}, call)
         ahead = table.add(
             {"method": method, "mode": mode, "timing": "host ahead"},
-            Ahead(call, int(ahead_ms * cycles)),
+            Ahead(call),
         )
         pairs.append((synced, ahead))
     table.time(ROUNDS)
@@ -108,16 +107,15 @@ def main() -> None:
     parser.add_argument("--json", required=True, help="where to write all numbers")
     parser.add_argument("--shapes", default="llama3-8k,gemma2-8k", help="kernel_gpu.SHAPES keys")
     parser.add_argument(
-        "--ahead-ms", type=float, default=25.0, help="GPU spin before each 'host ahead' call"
+        "--load-ms", type=float, default=20.0, help="GEMMs before each 'host ahead' call"
     )
     args = parser.parse_args()
-    cycles = cycles_per_ms()
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     print(env | {"lce": kg.lce.__file__}, flush=True)  # which tree's lce an A/B imported
     report: dict = {"env": env}
-    report |= {"ahead_ms": args.ahead_ms, "rounds": ROUNDS, "rows": []}
+    report |= {"load_ms": args.load_ms, "rounds": ROUNDS, "rows": []}
     for shape in args.shapes.split(","):
-        report["rows"] += bench_shape(shape, args.ahead_ms, cycles)
+        report["rows"] += bench_shape(shape, args.load_ms)
         torch.cuda.empty_cache()
     print_rows(report["rows"])
     for shape in args.shapes.split(","):

@@ -85,9 +85,9 @@ def plan(out: Path, gpus: int) -> list[Step]:
         Step("kernel_tests", 0.12, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
              "-n", "8", *KERNEL_TESTS]),
         # The issue-33 table: its peers (not Liger's Triton FLCE nor CCE's default path, which
-        # no target names), no stage breakdown (a diagnostic): about 125 s on an H100, where the
-        # whole benchmark ran past its 162 s share (2026-12-06); its 15 interleaved rounds (5
-        # timed calls a row before) add about a minute by the rounds' own times.
+        # no target names), no stage breakdown (a diagnostic): 274 s with every peer on an H100
+        # (2026-12-06, session 13: 15 interleaved rounds, each call behind 20 ms of GEMMs), inside
+        # its limit of twice its share at the default 20 minutes.
         Step("kernel_benchmark", 0.23, [py, "benchmarks/kernel_gpu.py", "--no-sweep",
              "--breakdown-shapes", "", "--skip-peers", NON_TARGET_PEERS,
              "--json", str(out / "kernel_gpu.json")]),

@@ -509,7 +509,7 @@ def bench_shape(shape: str, peers: dict[str, Callable], timer: Timer) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     table = Rounds(timer)
-    for gemms in FLOOR_GEMMS:
+    for gemms in MODE_GEMMS.values():
         measure(table, kernel_targets.gemms_method(gemms), gemm_call(inp, gemms), None, None)
     forwards = {
         "stock PyTorch": lambda: stock_forward(inp),
@@ -534,8 +534,9 @@ def bench_shape(shape: str, peers: dict[str, Callable], timer: Timer) -> dict:
     return {"shape": shape, "T_H_V": SHAPES[shape], "grads_gib": grads_gib, "rows": rows}
 
 
-# The floors' GEMM counts: the forward's one, the scalar loss's 3, the recomputing paths' 4.
-FLOOR_GEMMS = (1, 3, 4)
+# Each mode's floor, in GEMMs (each floor a row of its own, timed as one call): the forward's
+# one, the scalar loss's 3, the per-token path's 4.
+MODE_GEMMS = {"fwd": 1, "mean": 3, "token": 4}
 
 
 def gemm_call(inp: dict, gemms: int) -> Callable[[], torch.Tensor]:
@@ -691,9 +692,6 @@ def _args(inp: dict) -> dict:
 
 def _cell(value: float | None, spec: str) -> str:
     return "" if value is None else format(value, spec)
-
-
-MODE_GEMMS = {"fwd": 1, "mean": 3, "token": 4}
 
 
 def print_table(result: dict) -> None:

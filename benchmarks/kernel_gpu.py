@@ -37,13 +37,14 @@ import torch.nn.functional as F
 import triton
 
 import lce
-from lce.backends.base import BackwardRows, TokenUpstream, Wanted
+from lce.backends.base import BackwardRows, ShardStats, TokenUpstream, Wanted
 from lce.backends.gemm import addmm_, mm_into
 from lce.backends.triton import TileShape, TritonStages
 from lce.backends.triton import config as triton_config
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.forward_kernel import forward_partials, merge_partials
 from lce.backends.triton.stages import chunk_width
+from lce.backends.triton.target_kernel import target_logits_into
 from lce.options import LogitOptions
 from lce.tp import VocabShard, merge_stats
 from verify.numerics.reference import IGNORE_INDEX
@@ -164,13 +165,14 @@ def _sweep_fn(kernel, tile, tpp, tma, data) -> tuple[Callable[[], object], float
         cfg = dataclasses.replace(
             triton_config.GPU_CONFIG, forward=tile, tiles_per_program=tpp, use_tma=tma
         )
-        return lambda: forward_partials(hidden, weight, None, targets, 0, PLAIN, cfg), 1.0
+        return lambda: forward_partials(hidden, weight, None, PLAIN, cfg), 1.0
     cfg = dataclasses.replace(triton_config.GPU_CONFIG, backward=tile, use_tma=tma)
     width = d_logits.shape[1]
     rows = BackwardRows(*[ones] * len(dataclasses.fields(BackwardRows)))
+    values = ones.to(weight.dtype)
 
     def one_chunk():
-        dlogits_chunk(hidden, weight[:width], None, targets, 0, PLAIN, rows, d_logits, cfg)
+        dlogits_chunk(hidden, weight[:width], None, targets, 0, PLAIN, rows, values, d_logits, cfg)
 
     return one_chunk, weight.shape[0] / width
 
@@ -224,15 +226,18 @@ def breakdown(num_tokens: int, hidden_size: int, vocab: int) -> dict:
     zero = torch.zeros_like(g_lp)
     rows = merged.backward_rows(TokenUpstream(g_lp, zero, zero, zero))
     args = (hidden, weight, None, targets, 0, PLAIN, rows)
-    partials, split_cols = forward_partials(
-        hidden, weight, None, targets, 0, PLAIN, triton_config.GPU_CONFIG
-    )
+    config = triton_config.GPU_CONFIG
+    partials, split_cols = forward_partials(hidden, weight, None, PLAIN, config)
+    merged = torch.empty(len(dataclasses.fields(ShardStats)), hidden.shape[0], device="cuda")
     out = {
         "forward_stats_ms": time_ms(
             lambda: stages.forward_stats(hidden, weight, None, targets, 0, PLAIN)
         ),
         "merge_partials_ms": time_ms(
-            lambda: merge_partials(partials, PLAIN, weight.shape[0], split_cols)
+            lambda: merge_partials(partials, PLAIN, weight.shape[0], split_cols, merged)
+        ),
+        "target_logits_ms": time_ms(
+            lambda: target_logits_into(hidden, weight, None, targets, 0, PLAIN, config, merged[3])
         ),
         "backward_grads_ms": time_ms(lambda: stages.backward_grads(*args, Wanted(True, True))),
         "backward_grad_weight_only_ms": time_ms(

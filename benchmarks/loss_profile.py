@@ -151,7 +151,7 @@ def stage_times(inp: dict, main_grad: torch.Tensor) -> dict:
     timed = {
         "logits_gemm": lambda: mm_into(h, weight.T, out=logits),
         "forward_partials_kernel": lambda: forward_partials(
-            h, weight, None, t, 0, PLAIN, triton_config.GPU_CONFIG
+            h, weight, None, PLAIN, triton_config.GPU_CONFIG
         ),
         "row_stats": lambda: row_stats_into(logits, None, t, 0, PLAIN, stats),
         "row_dlogits": lambda: row_dlogits(logits, logits, None, t, 0, PLAIN, backward_rows),

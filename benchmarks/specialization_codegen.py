@@ -4,11 +4,12 @@ which specializations a change drops costs nothing there (docs/NIGHTLY.md).
     python benchmarks/specialization_codegen.py --trees main=OLD_TREE,new=. [--json out.json]
 
 For each tree, in a subprocess that imports that tree's `lce`, the launches of the default 4-GEMM
-loss (forward, merge, the first and last d_logits chunk) and of the 3-GEMM loss's row kernels at
-llama3-8k, qwen2.5-16k and gemma2-8k (bf16, TP 1 and 8) are captured from lce's own launchers on
-lazily allocated CPU tensors (nothing runs) and compiled for sm_90 (an H100/H200) by the installed
-Triton, without a GPU. The table gives each launch's instruction and spill counts per tree and
-whether the SASS is identical to the first tree's. Run without ``TRITON_INTERPRET``.
+loss (forward, merge, target lane, the first and last d_logits chunk, a target placement) and of
+the 3-GEMM loss's row kernels at llama3-8k, qwen2.5-16k and gemma2-8k (bf16, TP 1 and 8) are
+captured from lce's own launchers on lazily allocated CPU tensors (nothing runs) and compiled for
+sm_90 (an H100/H200) by the installed Triton, without a GPU. The table gives each launch's
+instruction and spill counts per tree and whether the SASS is identical to the first tree's. Run
+without ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
@@ -38,14 +39,22 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
     import torch
 
     from lce.backends.base import BackwardRows, ShardStats, select_rows
-    from lce.backends.triton import backward_kernel, forward_kernel, loss_kernels, stages
+    from lce.backends.triton import (
+        backward_kernel,
+        forward_kernel,
+        loss_kernels,
+        stages,
+        target_kernel,
+    )
     from lce.backends.triton.config import GPU_CONFIG
     from lce.options import LogitOptions
 
     kernels = {
         "forward": forward_kernel._forward_partials_kernel,
         "merge": forward_kernel._merge_partials_kernel,
+        "target": target_kernel._target_logits_kernel,
         "d_logits": backward_kernel._dlogits_kernel,
+        "place_target": target_kernel._place_target_kernel,
         "row_stats": loss_kernels._row_stats_kernel,
         "row_dlogits": loss_kernels._row_dlogits_kernel,
     }
@@ -69,11 +78,9 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
     targets = torch.zeros(num_tokens, dtype=torch.int64)
     launches = {}
     plain = LogitOptions()
-    partials, split_cols = forward_kernel.forward_partials(
-        hidden, weight, None, targets, vocab_start, plain, GPU_CONFIG
-    )
-    forward_kernel.merge_partials(partials, plain, vocab_local, split_cols)
-    launches["forward"], launches["merge"] = captured.pop("forward"), captured.pop("merge")
+    forward_kernel.shard_stats(hidden, weight, None, targets, vocab_start, plain, GPU_CONFIG)
+    for name in ("forward", "merge", "target"):
+        launches[name] = captured.pop(name)
     # As lce.autograd.token_grads builds them: fresh fp32 rows, bf16 grad_weight.
     rows = BackwardRows(*torch.empty(len(dataclasses.fields(BackwardRows)), num_tokens).unbind(0))
     grad_weight = torch.empty_like(weight)
@@ -82,9 +89,10 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
         chunk, buffer = chunks[index]
         backward_kernel.dlogits_chunk(
             hidden, weight[chunk], None, targets, vocab_start + chunk.start, plain, rows,
-            buffer, GPU_CONFIG,
+            rows.target_grad.to(weight.dtype), buffer, GPU_CONFIG,
         )  # fmt: skip
         launches[f"d_logits[{index}]"] = captured.pop("d_logits")
+    launches["place_target"] = captured.pop("place_target")
     step = stages.TritonStages(GPU_CONFIG).loss_chunk_rows(num_tokens, vocab_local, hidden_size, 2)
     logits = torch.empty(step, vocab_local, dtype=torch.bfloat16)
     stats = torch.empty(len(dataclasses.fields(ShardStats)), num_tokens)

@@ -6,7 +6,8 @@ Each repetition runs every tree once, in turn, in a subprocess of its own that i
 `lce` (so one process never mixes two trees' kernels). A run at one shape (llama3-8k by default)
 times, after warm-up, with CUDA events and medians: `TritonStages().forward_stats` alternating with
 one bf16 GEMM (the floor, which drifts between runs); the default mean loss (4 GEMMs) forward +
-backward, and its peak allocated memory above the inputs. The table gives each tree's medians over
+backward alternating with the per-token path's (log-probs and entropy under a random upstream),
+and the loss's peak allocated memory above the inputs. The table gives each tree's medians over
 its runs and their spread (min-max).
 """
 
@@ -25,7 +26,7 @@ SHAPES = {
     "qwen2.5-16k": (16384, 3584, 152064),
     "gemma2-8k": (8192, 2304, 256000),
 }
-FIELDS = ("forward_ms", "gemm_ms", "loss_ms", "loss_peak_gib")
+FIELDS = ("forward_ms", "gemm_ms", "loss_ms", "token_ms", "loss_peak_gib")
 
 
 def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
@@ -57,10 +58,17 @@ def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
         out = lce.linear_cross_entropy(h, w, targets, backend="triton")
         return torch.autograd.grad(out, (h, w))
 
-    for fn in (forward, gemm, forward, gemm, loss, loss):  # warm-up: compiles, cuBLAS handles
+    upstream = torch.randn(2, num_tokens, device="cuda", generator=gen)
+
+    def token():  # RL's path: log-probs and entropy under an arbitrary upstream
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        out = lce.token_logprobs(h, w, targets, backend="triton")
+        return torch.autograd.grad([out.logprobs, out.entropy], (h, w), list(upstream))
+
+    for fn in (forward, gemm, forward, gemm, loss, loss, token, token):  # warm-up: compiles
         fn()
     pairs = [(event_ms(forward), event_ms(gemm)) for _ in range(forward_reps)]
-    loss_times = [event_ms(loss) for _ in range(loss_reps)]
+    loss_pairs = [(event_ms(loss), event_ms(token)) for _ in range(loss_reps)]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -72,7 +80,8 @@ def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
         "lce": str(Path(lce.__file__).parent),
         "forward_ms": statistics.median(f for f, _ in pairs),
         "gemm_ms": statistics.median(g for _, g in pairs),
-        "loss_ms": statistics.median(loss_times),
+        "loss_ms": statistics.median(m for m, _ in loss_pairs),
+        "token_ms": statistics.median(t for _, t in loss_pairs),
         "loss_peak_gib": peak,
     }
 

@@ -66,6 +66,7 @@ KERNEL_TESTS = (
     "tests/lce/test_kept_logits.py",
     "tests/lce/test_compile.py",
     "tests/lce/test_cuda_hot_path.py",
+    "tests/lce/test_target_kernel.py",
 )
 
 

@@ -25,6 +25,12 @@ from lce.backends.triton.forward_kernel import (
     warp_specialized,
 )
 from lce.backends.triton.loss_kernels import BLOCK_V, _row_dlogits_kernel, _row_stats_kernel
+from lce.backends.triton.target_kernel import (
+    BLOCK_T,
+    PLACE_BLOCK_T,
+    _place_target_kernel,
+    _target_logits_kernel,
+)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -103,28 +109,43 @@ def main() -> None:
 
 
 def row_kernel_sizes() -> list[dict]:
-    """The memory-bound kernels (split merge, the 3-GEMM loss's rows), bf16, compiled with the
-    logit map's switches off and on: the interpreter accepts code the compiler rejects."""
+    """The per-token kernels (split merge, the 3-GEMM loss's rows, the target lane's dot and
+    placement), bf16 (the target's dot in every dtype: its fp32 dot takes another path), compiled
+    with the logit map's switches off and on: the interpreter accepts code the compiler rejects."""
+    bf16 = (torch.bfloat16,)
+    target = {"BLOCK_T": BLOCK_T, "BLOCK_H": GPU_CONFIG.forward.block_h,
+              "BF16_INTERPRETED": False, "PRECISION": "ieee"}  # fmt: skip
     kernels = (
-        (_merge_partials_kernel, {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S}),
-        (_row_stats_kernel, {"BLOCK_V": BLOCK_V}),
-        (_row_dlogits_kernel, {"BLOCK_V": BLOCK_V, "BF16_INTERPRETED": False}),
+        (_merge_partials_kernel, {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S}, bf16),
+        (_row_stats_kernel, {"BLOCK_V": BLOCK_V}, bf16),
+        (_row_dlogits_kernel, {"BLOCK_V": BLOCK_V, "BF16_INTERPRETED": False}, bf16),
+        (_target_logits_kernel, target, tuple(TRITON_TYPES)),
+        (_place_target_kernel, {"BLOCK_T": PLACE_BLOCK_T}, bf16),
     )
     rows = []
-    for kernel, values in kernels:
-        names = kernel.arg_names
-        for name, options in OPTIONS.items():
-            switches = {
-                "HAS_BIAS": options, "SOFTCAP": options, "SMOOTHING": options, "ENTROPY": options,
-            }  # fmt: skip
-            fixed = {n: v for n, v in {**values, **switches}.items() if n in names}
-            signature = {n: argument_type(n, GPU_CONFIG.forward, "bf16", False) for n in names}
-            signature.update({n: "constexpr" for n in fixed})
-            constexprs = {(names.index(n),): v for n, v in fixed.items()}
-            source = ASTSource(kernel, signature, constexprs)
-            shared = triton.compile(source, target=HOPPER, options={"num_warps": 8}).metadata.shared
-            row = {"kernel": kernel.__name__, "dtype": "torch.bfloat16", "loads": "rows"}
-            rows.append({**row, "options": name, "block_h": 0, "shared": shared})
+    for kernel, values, dtypes in kernels:
+        for dtype in dtypes:
+            rows += _row_kernel_sizes(kernel, values, dtype)
+    return rows
+
+
+def _row_kernel_sizes(kernel, values: dict, dtype: torch.dtype) -> list[dict]:
+    """`row_kernel_sizes`' rows of one kernel and dtype."""
+    rows = []
+    names = kernel.arg_names
+    for name, options in OPTIONS.items():
+        switches = {
+            "HAS_BIAS": options, "SOFTCAP": options, "SMOOTHING": options, "ENTROPY": options,
+        }  # fmt: skip
+        fixed = {n: v for n, v in {**values, **switches}.items() if n in names}
+        type_name = TRITON_TYPES[dtype]
+        signature = {n: argument_type(n, GPU_CONFIG.forward, type_name, False) for n in names}
+        signature.update({n: "constexpr" for n in fixed})
+        constexprs = {(names.index(n),): v for n, v in fixed.items()}
+        source = ASTSource(kernel, signature, constexprs)
+        shared = triton.compile(source, target=HOPPER, options={"num_warps": 8}).metadata.shared
+        row = {"kernel": kernel.__name__, "dtype": str(dtype), "loads": "rows"}
+        rows.append({**row, "options": name, "block_h": 0, "shared": shared})
     return rows
 
 

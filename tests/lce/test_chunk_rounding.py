@@ -82,7 +82,7 @@ def test_triton_honours_chunk_size(backend, monkeypatch):
 
         return run
 
-    for name in ("forward_partials", "dlogits_chunk"):
+    for name in ("shard_stats", "dlogits_chunk"):
         monkeypatch.setattr(stages, name, recorded(getattr(stages, name)))
     hidden = torch.randn(12, H, requires_grad=True)
     targets = torch.arange(12) % V

@@ -36,13 +36,16 @@ def test_every_kernel_dtype_and_load_path_compiles(compiled_sizes):
     combos = {(r["kernel"], r["dtype"], r["loads"]) for r in tiled}
     assert len(combos) == 3 * 3 * 2  # forward, d_logits and d_logits' capped tile
     # The logit options on (bias, softcap, label smoothing) and off: the two tiled kernels (TMA
-    # loads), the capped tile (both load paths), the merge and the two row kernels.
+    # loads), the capped tile (both load paths), the merge, the two row kernels and the two of
+    # the target lane (its dot in every dtype).
     on = {(r["kernel"], r["loads"]) for r in compiled_sizes if r["options"] == "options"}
-    assert len(on) == 2 + 2 + 3
+    assert len(on) == 2 + 2 + 5
     rows_off = {
-        r["kernel"] for r in compiled_sizes if (r["loads"], r["options"]) == ("rows", "plain")
+        (r["kernel"], r["dtype"])
+        for r in compiled_sizes
+        if (r["loads"], r["options"]) == ("rows", "plain")
     }
-    assert len(rows_off) == 3
+    assert len(rows_off) == 4 + 3
 
 
 def test_gpu_tiles_fit_hopper_shared_memory(compiled_sizes):

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from lce.backends import gemm
-from lce.backends.base import BackwardRows, Wanted
+from lce.backends.base import BackwardRows, ShardStats, Wanted
 from lce.backends.triton import TileShape, TritonConfig, TritonStages, forward_kernel
 from lce.backends.triton import stages as stages_module
 from lce.backends.triton.config import GPU_CONFIG
@@ -500,7 +500,7 @@ def test_merge_partials_rescales_each_split_and_skips_unseen_ones(num_splits):
     centred sum of the logits (label smoothing) moves by its column count (40; the last 17)
     times that shift. 150 splits: the merge's tiles of splits, the last one partly past the end."""
     gen = torch.Generator().manual_seed(13)
-    partials = torch.randn(5, num_splits, 100, generator=gen)
+    partials = torch.randn(len(forward_kernel.PARTIALS), num_splits, 100, generator=gen)
     partials[0] *= 5
     partials[0, 3, 50:60] = partials[0, :, 50:60].amax(0)
     partials[1] = partials[1].abs() + 0.1
@@ -508,8 +508,10 @@ def test_merge_partials_rescales_each_split_and_skips_unseen_ones(num_splits):
     partials[1:, 2, :30] = partials[1:, :, :5] = 0.0
     logit = LogitOptions(temperature=0.7, label_smoothing=0.1)
     vocab = (num_splits - 1) * 40 + 17
-    got = forward_kernel.merge_partials(partials.to(DEVICE), logit, vocab, 40)
-    split_max, nonmax, sumexp_z, target, sum_centred = partials.double().unbind(0)
+    out = torch.full((len(fields(ShardStats)), 100), 7.0, device=DEVICE)
+    forward_kernel.merge_partials(partials.to(DEVICE), logit, vocab, 40, out)
+    got = ShardStats(*out.unbind(0))
+    split_max, nonmax, sumexp_z, sum_centred = partials.double().unbind(0)
     row_max = split_max.amax(0)
     seen = split_max > float("-inf")
     shift = torch.where(seen, (split_max - row_max.clamp(min=-1e300)) / 0.7, 0.0)
@@ -520,7 +522,7 @@ def test_merge_partials_rescales_each_split_and_skips_unseen_ones(num_splits):
         "max": row_max,
         "sumexp_nonmax": (scale * sumexp).sum(0) - 1,
         "sumexp_z": (scale * (sumexp_z + shift * sumexp)).sum(0),
-        "target_logit": target.sum(0),
+        "target_logit": torch.full((100,), 7.0, dtype=torch.float64),  # left to target_kernel
         "sum_centred": torch.where(seen, sum_centred + columns * shift, 0.0).sum(0),
     }
     for name, want in expected.items():

@@ -51,7 +51,7 @@ def test_token_count_vocab_and_hidden_size_classes_reuse_the_compiles():
         {"hidden_size": 72},  # H 64 -> 72 (divisible by 16 -> other), TMA loads
         {"vocab": 48},  # V 40 -> 48 (other -> divisible by 16)
     )
-    assert first == ["d_logits", "forward", "merge"]  # nothing compiled yet
+    assert first == ["d_logits", "forward", "merge", "place_target", "target"]  # none compiled yet
     # T only bounds the loops and masks the per-token epilogue of forward and d_logits; the merge
     # kernel keeps it (its loads' alignment).
     assert one_token == ["merge"]
@@ -67,6 +67,6 @@ def test_pointer_loads_keep_hidden_size_and_layout_specialized():
     transposed, odd_hidden = _new_kernels(
         {"layout": "transposed"}, {"layout": "transposed", "hidden_size": 72}
     )
-    assert transposed == ["d_logits", "forward", "merge"]
+    assert transposed == ["d_logits", "forward", "merge", "place_target", "target"]
     # The pointer loads' K loop masks its tail by H: its class stays in the key.
     assert odd_hidden == ["d_logits", "forward"]

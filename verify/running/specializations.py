@@ -23,7 +23,7 @@ from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction
 
 import lce.backends
-from lce.backends.triton import backward_kernel, forward_kernel, loss_kernels
+from lce.backends.triton import backward_kernel, forward_kernel, loss_kernels, target_kernel
 from verify.adapters.registry import resolve
 from verify.cases.spec import CaseSpec
 from verify.cases.strategies import campaign_specs
@@ -33,7 +33,9 @@ H200_SMS = 132
 KERNELS: dict[str, JITFunction] = {
     "forward": forward_kernel._forward_partials_kernel,
     "merge": forward_kernel._merge_partials_kernel,
+    "target": target_kernel._target_logits_kernel,
     "d_logits": backward_kernel._dlogits_kernel,
+    "place_target": target_kernel._place_target_kernel,
     "row_stats": loss_kernels._row_stats_kernel,
     "row_dlogits": loss_kernels._row_dlogits_kernel,
 }

@@ -1,10 +1,11 @@
 """Backward stage, part 1: recompute a ``[T, chunk]`` logits block and write its d_logits.
 
 ``d_z = -p * (softmax_coef + g_ent * (z - E[z])) + uniform`` in fp32 as `BackwardRows` spells it
-out (centred on the row max; the target lane's value given per token), ``d_a = d_z * dz/da``
-(``s / T`` times the softcap's slope, `tiles.logit_map`),
-stored once in the weight's dtype so the two gradient GEMMs (`stages`) run on tensor cores. The
-buffer is one vocab chunk, never ``[T, V]`` unless V fits the chunk budget.
+out (centred on the row max), ``d_a = d_z * dz/da`` (``s / T`` times the softcap's slope,
+`tiles.logit_map`), stored once in the weight's dtype so the two gradient GEMMs (`stages`) run on
+tensor cores. Every lane takes that formula, the target lane too: `target_kernel` writes its
+value over it (see there why). The buffer is one vocab chunk, never ``[T, V]`` unless V fits the
+chunk budget.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton.language as tl
 from lce.backends.base import BackwardRows
 from lce.backends.triton.config import TritonConfig
 from lce.backends.triton.operands import map_args, operand_args
+from lce.backends.triton.target_kernel import place_target_dlogits
 from lce.backends.triton.tiles import (
     grouped_tile,
     logit_map,
@@ -29,12 +31,12 @@ from lce.options import LogitOptions
 
 # Specialized as in forward_kernel._forward_partials_kernel: H, the operands' strides and alignment,
 # d_logits' pointer and row stride (its rows are padded to 16 elements) and C's divisibility by 16
-# alone (C_DIV16: the store mask, which keeps the stores 16 bytes wide). T, the chunk's offset
-# and the per-token rows (one scalar load each) only mask and feed the epilogue.
+# alone (C_DIV16: the store mask, which keeps the stores 16 bytes wide). T and the per-token
+# rows (one scalar load each) only mask and feed the epilogue.
 @triton.jit(
-    do_not_specialize=["T", "C", "chunk_start"],
+    do_not_specialize=["T", "C"],
     do_not_specialize_on_alignment=[
-        "bias_ptr", "targets_ptr", "max_ptr", "log_sumexp_ptr", "centred_mean_ptr",
+        "bias_ptr", "max_ptr", "log_sumexp_ptr", "centred_mean_ptr",
         "softmax_coef_ptr", "grad_entropy_ptr", "target_grad_ptr", "uniform_ptr",
     ],
 )  # fmt: skip
@@ -42,7 +44,6 @@ def _dlogits_kernel(
     hidden,
     weight,
     bias_ptr,
-    targets_ptr,
     max_ptr,
     log_sumexp_ptr,
     centred_mean_ptr,
@@ -54,7 +55,6 @@ def _dlogits_kernel(
     T,
     C,
     H,
-    chunk_start,
     centred_scale,
     cap_scale,
     dlogit_scale,
@@ -106,7 +106,6 @@ def _dlogits_kernel(
     coef = tl.load(softmax_coef_ptr + rows * stride_coef)
     g_ent = tl.load(grad_entropy_ptr + rows * stride_gent)
     target_grad = tl.load(target_grad_ptr + rows)
-    local_target = tl.load(targets_ptr + rows) - chunk_start
     # Centred before the scale exactly as the forward centred the lane (z - max z rounded once,
     # relative to the lane's distance from the max): scaling first and subtracting the rounded
     # max z left ~2^-24 |z| in p that the forward's log-sum-exp did not share (shift-variant).
@@ -114,14 +113,13 @@ def _dlogits_kernel(
     d_z = softmax_dz(
         centred, log_sumexp[:, None], coef[:, None], g_ent[:, None], centred_mean[:, None], True
     )
-    # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed.
+    # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed (the
+    # target lane's value: `target_kernel.target_dlogits`).
     active = (coef != 0.0) | (g_ent != 0.0) | (target_grad != 0.0)
     if SMOOTHING:
         uniform = tl.load(uniform_ptr + rows)
         d_z += uniform[:, None]
         active |= uniform != 0.0
-    is_target = offs_v[None, :] == local_target[:, None]
-    d_z = tl.where(is_target, target_grad[:, None], d_z)
     d_logits = tl.where(active[:, None], d_z * (dlogit_scale * slope), 0.0)
     if BF16_INTERPRETED:
         # The interpreter truncates fp32 -> bf16; round to nearest as the GPU does.
@@ -139,11 +137,13 @@ def dlogits_chunk(
     chunk_start: int,
     logit: LogitOptions,
     rows: BackwardRows,
+    target_values: torch.Tensor,
     out: torch.Tensor,
     config: TritonConfig,
 ) -> None:
     """Write d_logits of vocab rows ``weight_chunk`` (global ids from ``chunk_start``; their bias
-    ``bias_chunk``, unit stride, or None) into ``out``.
+    ``bias_chunk``, unit stride, or None) into ``out``, the target lanes from ``target_values``
+    (`target_kernel.target_dlogits` of the shard).
 
     ``out`` is ``[T, C]`` with unit column stride; ``rows`` fp32, contiguous but for
     ``softmax_coef`` and ``grad_entropy`` (any stride); ``targets`` int64 contiguous.
@@ -152,11 +152,11 @@ def dlogits_chunk(
     tiles = config.backward_tile(logit.softcap is not None).for_dtype(weight_chunk.dtype)
     grid = (triton.cdiv(num_tokens, tiles.block_t) * triton.cdiv(chunk, tiles.block_v),)
     _dlogits_kernel[grid](
-        bias_ptr=bias_chunk, targets_ptr=targets, max_ptr=rows.max,
+        bias_ptr=bias_chunk, max_ptr=rows.max,
         log_sumexp_ptr=rows.log_sumexp, centred_mean_ptr=rows.centred_mean,
         softmax_coef_ptr=rows.softmax_coef, grad_entropy_ptr=rows.grad_entropy,
         target_grad_ptr=rows.target_grad, uniform_ptr=rows.uniform, dlogits_ptr=out,
-        T=num_tokens, C=chunk, C_DIV16=chunk % 16 == 0, chunk_start=chunk_start,
+        T=num_tokens, C=chunk, C_DIV16=chunk % 16 == 0,
         dlogit_scale=logit.dlogit_scale, **map_args(logit, bias_chunk),
         stride_coef=rows.softmax_coef.stride(0), stride_gent=rows.grad_entropy.stride(0),
         stride_dt=out.stride(0),
@@ -169,3 +169,4 @@ def dlogits_chunk(
         # The epilogue's few flops per logit are noise next to the tile's 2H-flop dot.
         enable_fp_fusion=False,
     )  # fmt: skip
+    place_target_dlogits(out, targets, chunk_start, target_values)

@@ -1,8 +1,9 @@
 """Forward stage: vocab-split online softmax over logits tiles, then a merge of the splits.
 
 Each program owns ``block_t`` tokens x ``tiles_per_program`` vocab tiles, maps each tile of raw
-dots with `tiles.logit_map` and writes the fp32 `ShardStats` partials of its split per token;
-`merge_partials` folds the splits.
+dots with `tiles.logit_map` and writes the fp32 partials of its split per token (`PARTIALS`);
+`merge_partials` folds the splits. The target lane is not picked out of the tiles: its raw unit
+comes from `target_kernel` (see there why).
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import triton.language as tl
 from lce.backends.base import ShardStats
 from lce.backends.triton.config import TritonConfig, interpreting
 from lce.backends.triton.operands import map_args, operand_args
+from lce.backends.triton.target_kernel import target_logits_into
 from lce.backends.triton.tiles import grouped_tile, logit_map, logits_tile, logits_tile_tma
 from lce.options import LogitOptions
+
+# The per-split planes of `forward_partials`: the `ShardStats` fields but the target's.
+PARTIALS = ("max", "sumexp_nonmax", "sumexp_z", "sum_centred")
 
 INTERPRETER_PROGRAMS = 2
 # The merge's tile: 32 tokens (one 128-byte line per split and plane) x 64 splits, so T / 32
@@ -30,13 +35,11 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _online_softmax_step(
     acc,
-    target_col,
     num_cols,
     centred_scale,
     row_max,
     sumexp_nonmax,
     sumexp_z,
-    target_acc,
     sum_centred,
     seen_cols,
     BLOCK_V: tl.constexpr,
@@ -46,18 +49,12 @@ def _online_softmax_step(
     """Fold one ``[BLOCK_T, BLOCK_V]`` tile of raw units (`tiles.logit_map`) into the running
     statistics.
 
-    ``target_col``: each row's target column in this tile (any value when elsewhere);
     ``num_cols``: the tile's real columns, read only when ``MASKED`` (the tile overhangs V);
     ``seen_cols``: the columns folded before this tile, whose centred sum (``SMOOTHING`` only)
     moves by the shift of the max.
     """
-    cols = tl.arange(0, BLOCK_V)
-    is_target = cols[None, :] == target_col[:, None]
     if MASKED:
-        in_v = cols[None, :] < num_cols
-        is_target &= in_v
-    target_acc += tl.sum(tl.where(is_target, acc, 0.0), axis=1)
-    if MASKED:
+        in_v = tl.arange(0, BLOCK_V)[None, :] < num_cols
         acc = tl.where(in_v, acc, float("-inf"))
     # The running max stays in raw units and each lane is centred before the scale: the max
     # lane's centred value is then exactly 0 even where the compiler contracts
@@ -94,7 +91,7 @@ def _online_softmax_step(
     sumexp_nonmax += tl.where(takes, scale + (max_lanes - 1.0), 0.0)
     if SMOOTHING:  # sum_j (z_j - new max) over the columns seen; masked lanes' centred2 is 0
         sum_centred = sum_centred + seen_cols * shift + LN2 * tl.sum(centred2, axis=1)
-    return new_max, sumexp_nonmax, sumexp_z, target_acc, sum_centred
+    return new_max, sumexp_nonmax, sumexp_z, sum_centred
 
 
 # Triton compiles once per combination of each int argument's class (== 1, divisible by 16, other)
@@ -103,23 +100,20 @@ def _online_softmax_step(
 # loads), tiles_per_split (1 on the GPU config; a runtime count spilled registers and cost 2.7% of
 # the forward at llama3-8k on an H200) and V's divisibility by 16 alone (V_DIV16: V sizes the
 # masked last tile). T, the offsets, the split and program counts and the targets' alignment only
-# bound the item loop, offset the targets or address the per-token epilogue: unspecialized, the
+# bound the item loop or address the per-token epilogue: unspecialized, the
 # sm_90 code at production shapes is identical or a few instructions longer and no slower
 # (benchmarks/specialization_codegen.py, docs/NIGHTLY.md). Fully unspecialized: 6-7% slower.
 @triton.jit(
-    do_not_specialize=["T", "V", "vocab_start", "num_splits", "num_programs", "plane"],
-    do_not_specialize_on_alignment=["targets_ptr"],
+    do_not_specialize=["T", "V", "num_splits", "num_programs", "plane"],
 )  # fmt: skip
 def _forward_partials_kernel(
     hidden,
     weight,
     bias_ptr,
-    targets_ptr,
     partials_ptr,
     T,
     V,
     H,
-    vocab_start,
     centred_scale,
     cap_scale,
     num_splits,
@@ -157,13 +151,10 @@ def _forward_partials_kernel(
         offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         in_t = offs_t < T
         rows = offs_t % T
-        # -1 (ignored) matches no column
-        local_target = tl.load(targets_ptr + rows) - vocab_start
 
         row_max = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)  # raw units
         sumexp_nonmax = tl.zeros((BLOCK_T,), dtype=tl.float32)  # one max lane's 1 left out
         sumexp_z = tl.zeros((BLOCK_T,), dtype=tl.float32)  # sum exp(z - max z) * (z - max z)
-        target_acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
         sum_centred = tl.zeros((BLOCK_T,), dtype=tl.float32)  # sum (z - max z), smoothing only
 
         first_tile = pid_s * tiles_per_split
@@ -187,19 +178,17 @@ def _forward_partials_kernel(
                 bias = tl.load(bias_ptr + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)
                 bias = bias[None, :]
             acc, _ = logit_map(acc, bias, cap_scale, HAS_BIAS, SOFTCAP)
-            # int32 columns of this tile: |target - tile_start| < 2^31 for any vocabulary size.
-            target_col = (local_target - tile_start).to(tl.int32)
             seen_cols = i * BLOCK_V  # every tile before this one is whole
             if tile_start + BLOCK_V <= V:  # every tile but a shard's last: no padded columns
-                row_max, sumexp_nonmax, sumexp_z, target_acc, sum_centred = _online_softmax_step(
-                    acc, target_col, V - tile_start, centred_scale,
-                    row_max, sumexp_nonmax, sumexp_z, target_acc, sum_centred, seen_cols,
+                row_max, sumexp_nonmax, sumexp_z, sum_centred = _online_softmax_step(
+                    acc, V - tile_start, centred_scale,
+                    row_max, sumexp_nonmax, sumexp_z, sum_centred, seen_cols,
                     BLOCK_V, False, SMOOTHING,
                 )  # fmt: skip
             else:
-                row_max, sumexp_nonmax, sumexp_z, target_acc, sum_centred = _online_softmax_step(
-                    acc, target_col, V - tile_start, centred_scale,
-                    row_max, sumexp_nonmax, sumexp_z, target_acc, sum_centred, seen_cols,
+                row_max, sumexp_nonmax, sumexp_z, sum_centred = _online_softmax_step(
+                    acc, V - tile_start, centred_scale,
+                    row_max, sumexp_nonmax, sumexp_z, sum_centred, seen_cols,
                     BLOCK_V, True, SMOOTHING,
                 )  # fmt: skip
 
@@ -209,8 +198,6 @@ def _forward_partials_kernel(
         tl.store(out, sumexp_nonmax, mask=in_t)
         out += plane
         tl.store(out, sumexp_z, mask=in_t)
-        out += plane
-        tl.store(out, target_acc, mask=in_t)
         out += plane
         tl.store(out, sum_centred, mask=in_t)
 
@@ -246,7 +233,6 @@ def _merge_partials_kernel(
     sumexp_nonmax = tl.zeros((BLOCK_T,), dtype=tl.float32)
     max_holders = tl.zeros((BLOCK_T,), dtype=tl.float32)
     sumexp_z = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    target_logit = tl.zeros((BLOCK_T,), dtype=tl.float32)
     sum_centred = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for first in range(0, num_splits, BLOCK_S):
         split = first + splits
@@ -266,16 +252,14 @@ def _merge_partials_kernel(
         split_sumexp = tl.where(seen, 1.0 + split_nonmax, 0.0)
         split_z = tl.load(at + 2 * plane, mask=mask, other=0.0)
         sumexp_z += tl.sum(scale * (split_z + shift * split_sumexp), axis=0)
-        target_logit += tl.sum(tl.load(at + 3 * plane, mask=mask, other=0.0), axis=0)
         if SMOOTHING:
             cols = tl.minimum(split_cols, V - split * split_cols).to(tl.float32)
-            split_sum = tl.load(at + 4 * plane, mask=mask, other=0.0)
+            split_sum = tl.load(at + 3 * plane, mask=mask, other=0.0)
             sum_centred += tl.sum(tl.where(seen, split_sum + cols[:, None] * shift, 0.0), axis=0)
     tl.store(out_ptr + offs_t, row_max, mask=in_t)
     tl.store(out_ptr + T + offs_t, sumexp_nonmax + (max_holders - 1.0), mask=in_t)
     tl.store(out_ptr + 2 * T + offs_t, sumexp_z, mask=in_t)
-    tl.store(out_ptr + 3 * T + offs_t, target_logit, mask=in_t)
-    tl.store(out_ptr + 4 * T + offs_t, sum_centred, mask=in_t)
+    tl.store(out_ptr + 4 * T + offs_t, sum_centred, mask=in_t)  # ShardStats' plane 3: the target
 
 
 @triton.jit
@@ -285,28 +269,7 @@ def _split_tile(partials_ptr, split, offs_t, T, num_splits, in_t):
     return at, (split < num_splits)[:, None] & in_t[None, :]
 
 
-def merge_partials(
-    partials: torch.Tensor, logit: LogitOptions, vocab_local: int, split_cols: int
-) -> ShardStats:
-    """Fold ``[5, splits, T]`` per-split partials (`ShardStats` order) into one `ShardStats`;
-    each split holds ``split_cols`` of the shard's ``vocab_local`` columns (the last the rest).
-
-    One kernel, two reads of the partials: 0.06 / 0.13 / 0.11 ms at llama3-8k / qwen2.5-16k /
-    gemma2-8k on an H100 (torch ops took ~0.3 ms at llama3-8k; a program per 512 tokens 0.55).
-    """
-    _, num_splits, num_tokens = partials.shape
-    merged = torch.empty(
-        len(fields(ShardStats)), num_tokens, dtype=torch.float32, device=partials.device
-    )
-    _merge_partials_kernel[(triton.cdiv(num_tokens, MERGE_BLOCK_T),)](
-        partials, merged, num_tokens, vocab_local, num_splits, split_cols,
-        num_splits * num_tokens, logit.centred_scale, BLOCK_T=MERGE_BLOCK_T, BLOCK_S=MERGE_BLOCK_S,
-        SMOOTHING=logit.label_smoothing > 0, num_warps=4,
-    )  # fmt: skip
-    return ShardStats(*merged.unbind(0))
-
-
-def forward_partials(
+def shard_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -314,16 +277,57 @@ def forward_partials(
     vocab_start: int,
     logit: LogitOptions,
     config: TritonConfig,
+) -> ShardStats:
+    """The shard's `ShardStats`: `forward_partials`, `merge_partials`, and the target lane's raw
+    unit (`target_kernel.target_logits_into`). Needs T, V >= 1, contiguous int64 ``targets``
+    (global ids, -1 ignored) and a contiguous ``bias`` or None."""
+    partials, split_cols = forward_partials(hidden, weight, bias, logit, config)
+    merged = torch.empty(
+        len(fields(ShardStats)), hidden.shape[0], dtype=torch.float32, device=hidden.device
+    )
+    merge_partials(partials, logit, weight.shape[0], split_cols, merged)
+    target_logits_into(hidden, weight, bias, targets, vocab_start, logit, config, merged[3])
+    return ShardStats(*merged.unbind(0))
+
+
+def merge_partials(
+    partials: torch.Tensor,
+    logit: LogitOptions,
+    vocab_local: int,
+    split_cols: int,
+    out: torch.Tensor,
+) -> None:
+    """Fold ``[4, splits, T]`` per-split partials (`PARTIALS`) into fp32 ``out [5, T]``
+    (contiguous, `ShardStats` order), every field but ``target_logit`` (left as it was); each
+    split holds ``split_cols`` of the shard's ``vocab_local`` columns (the last the rest).
+
+    One kernel, two reads of the partials: 0.06 / 0.13 / 0.11 ms at llama3-8k / qwen2.5-16k /
+    gemma2-8k on an H100 (torch ops took ~0.3 ms at llama3-8k; a program per 512 tokens 0.55).
+    """
+    _, num_splits, num_tokens = partials.shape
+    _merge_partials_kernel[(triton.cdiv(num_tokens, MERGE_BLOCK_T),)](
+        partials, out, num_tokens, vocab_local, num_splits, split_cols,
+        num_splits * num_tokens, logit.centred_scale, BLOCK_T=MERGE_BLOCK_T, BLOCK_S=MERGE_BLOCK_S,
+        SMOOTHING=logit.label_smoothing > 0, num_warps=4,
+    )  # fmt: skip
+
+
+def forward_partials(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    logit: LogitOptions,
+    config: TritonConfig,
 ) -> tuple[torch.Tensor, int]:
-    """fp32 ``[5, splits, T]`` partial statistics (`ShardStats` order) and the columns each
-    split holds (`merge_partials`); needs T, V >= 1, a contiguous ``bias`` or None."""
+    """fp32 ``[4, splits, T]`` partial statistics (`PARTIALS`) and the columns each split holds
+    (`merge_partials`); needs T, V >= 1, a contiguous ``bias`` or None."""
     num_tokens, vocab_local = hidden.shape[0], weight.shape[0]
     tiles = config.forward.for_dtype(weight.dtype)
     num_vocab_tiles = triton.cdiv(vocab_local, tiles.block_v)
     tiles_per_split = min(config.tiles_per_program, num_vocab_tiles)
     num_splits = triton.cdiv(num_vocab_tiles, tiles_per_split)
     partials = torch.empty(
-        len(fields(ShardStats)), num_splits, num_tokens, dtype=torch.float32, device=hidden.device
+        len(PARTIALS), num_splits, num_tokens, dtype=torch.float32, device=hidden.device
     )
     num_items = triton.cdiv(num_tokens, tiles.block_t) * num_splits
     programs = num_items
@@ -331,8 +335,8 @@ def forward_partials(
         programs = min(num_items, _persistent_programs(hidden.device))
     operands = operand_args(hidden, weight, tiles, config.use_tma)
     _forward_partials_kernel[(programs,)](
-        bias_ptr=bias, targets_ptr=targets, partials_ptr=partials,
-        T=num_tokens, V=vocab_local, V_DIV16=vocab_local % 16 == 0, vocab_start=vocab_start,
+        bias_ptr=bias, partials_ptr=partials,
+        T=num_tokens, V=vocab_local, V_DIV16=vocab_local % 16 == 0,
         num_splits=num_splits, tiles_per_split=tiles_per_split,
         num_programs=programs, plane=num_splits * num_tokens, **operands,
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,

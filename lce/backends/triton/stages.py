@@ -1,7 +1,8 @@
 """`TritonStages`: the StageBackend of fused Triton kernels on one vocab shard.
 
-Forward: `forward_kernel` (one pass of logits tiles, online softmax). Backward: per vocab chunk,
-`backward_kernel` recomputes logits and writes d_logits, then two GEMMs (`lce.backends.gemm`)
+Forward: `forward_kernel` (one pass of logits tiles, online softmax; the target lane by
+`target_kernel`). Backward: per vocab chunk, `backward_kernel` recomputes logits and writes
+d_logits (the target lanes placed by `target_kernel`), then two GEMMs (`lce.backends.gemm`)
 accumulate grad_hidden and write grad_weight in fp32 (grad_bias: the chunk's column sums). With
 ``chunk_size`` both run per block of tokens. With kept logits, the forward is a cuBLAS GEMM into
 them and `loss_kernels.row_stats_into`; the backward's d_logits come from them by
@@ -19,8 +20,9 @@ from lce.backends.base import BackwardRows, GlobalMerge, Grads, ShardStats, Want
 from lce.backends.gemm import RowSum, addmm_, mm_into
 from lce.backends.triton.backward_kernel import dlogits_chunk
 from lce.backends.triton.config import TritonConfig, default_config
-from lce.backends.triton.forward_kernel import forward_partials, merge_partials
+from lce.backends.triton.forward_kernel import shard_stats
 from lce.backends.triton.loss_kernels import row_dlogits, row_stats_into
+from lce.backends.triton.target_kernel import target_dlogits
 from lce.options import LogitOptions
 
 # Token rows of a logits chunk are rounded to this (the GEMMs' tile multiple) when they fit.
@@ -91,12 +93,12 @@ class TritonStages:
             mm_into(hidden, weight.T, out=kept)
             row_stats_into(kept, bias, targets, vocab_start, logit, stats)
             return ShardStats(*stats.unbind(0))
-        blocks = []
-        for rows in self._token_blocks(num_tokens):
-            partials, split_cols = forward_partials(
+        blocks = [
+            shard_stats(
                 hidden[rows], weight, bias, targets[rows], vocab_start, logit, self._config()
             )
-            blocks.append(merge_partials(partials, logit, vocab_local, split_cols))
+            for rows in self._token_blocks(num_tokens)
+        ]
         if len(blocks) == 1:
             return blocks[0]
         return ShardStats(
@@ -140,6 +142,11 @@ class TritonStages:
         targets, bias = targets.contiguous(), _contiguous(bias)
         for block in blocks:
             block_hidden = hidden[block]
+            if kept is None:
+                target_values = target_dlogits(
+                    block_hidden, weight, bias, targets[block], vocab_start, logit, config,
+                    rows.target_grad[block],
+                )  # fmt: skip
             for chunk, buffer in chunks:
                 d_logits = buffer[: block.stop - block.start]
                 bias_chunk = None if bias is None else bias[chunk]
@@ -147,7 +154,7 @@ class TritonStages:
                 if kept is None:
                     dlogits_chunk(
                         block_hidden, weight[chunk], bias_chunk, targets[block], start, logit,
-                        block_rows, d_logits, config,
+                        block_rows, target_values, d_logits, config,
                     )  # fmt: skip
                 else:
                     row_dlogits(

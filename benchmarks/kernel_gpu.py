@@ -228,16 +228,18 @@ def breakdown(num_tokens: int, hidden_size: int, vocab: int) -> dict:
     args = (hidden, weight, None, targets, 0, PLAIN, rows)
     config = triton_config.GPU_CONFIG
     partials, split_cols = forward_partials(hidden, weight, None, PLAIN, config)
-    merged = torch.empty(len(dataclasses.fields(ShardStats)), hidden.shape[0], device="cuda")
+    stats_out = torch.empty(len(dataclasses.fields(ShardStats)), hidden.shape[0], device="cuda")
     out = {
         "forward_stats_ms": time_ms(
             lambda: stages.forward_stats(hidden, weight, None, targets, 0, PLAIN)
         ),
         "merge_partials_ms": time_ms(
-            lambda: merge_partials(partials, PLAIN, weight.shape[0], split_cols, merged)
+            lambda: merge_partials(partials, PLAIN, weight.shape[0], split_cols, stats_out)
         ),
         "target_logits_ms": time_ms(
-            lambda: target_logits_into(hidden, weight, None, targets, 0, PLAIN, config, merged[3])
+            lambda: target_logits_into(
+                hidden, weight, None, targets, 0, PLAIN, config, stats_out[3]
+            )
         ),
         "backward_grads_ms": time_ms(lambda: stages.backward_grads(*args, Wanted(True, True))),
         "backward_grad_weight_only_ms": time_ms(

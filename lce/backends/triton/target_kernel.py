@@ -149,7 +149,7 @@ def target_dlogits(
     raw unit, `target_logits_into`), 0 where ``target_grad`` is 0 (an ignored row's d_logits are
     exactly 0, as the tiles' are). Tokens whose target this shard does not hold get a value no
     chunk places."""
-    scale = torch.full_like(target_grad, logit.dlogit_scale)
+    scale: float | torch.Tensor = logit.dlogit_scale
     if logit.softcap is not None:
         units = torch.empty_like(target_grad)
         target_logits_into(hidden, weight, bias, targets, vocab_start, logit, config, units)

@@ -36,9 +36,13 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie is dead for our purpose (its parent will reap it).
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(")")[-1].split()[0] != "Z"
+    # A zombie is dead for our purpose (its parent will reap it); one that exits between the
+    # signal and the read leaves no stat to read (ESRCH mid-read, or no file).
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
 
 
 def _wait_gone(pids: list[int], within_s: float) -> list[int]:

@@ -86,19 +86,21 @@ def test_placed_target_lanes_are_the_only_writes():
 
 
 def test_target_dlogits_scale_by_the_lane_slope_and_keep_zero_rows_zero():
-    """``target_grad * (dlogit_scale * (1 - r)(1 + r))`` rounded once to weight's dtype, r the
-    softcapped target unit; a row whose target_grad is 0 gets exactly 0."""
+    """``target_grad * (1 - r)(1 + r)`` rounded once to weight's dtype (``target_grad`` already
+    times ``dlogit_scale``), r the softcapped target unit; a row whose target_grad is 0 gets
+    exactly +0."""
     hidden, weight, targets = _case(12, 40, 30, 0, torch.bfloat16, seed=3)
     logit = LogitOptions(softcap=3.0, temperature=0.7)
     target_grad = torch.randn(12, generator=torch.Generator().manual_seed(4))
-    target_grad[2] = 0.0
+    target_grad[2] = -0.0
+    target_grad *= logit.dlogit_scale
     args = (hidden.to(DEVICE), weight.to(DEVICE), None, targets.to(DEVICE), 0, logit, SMALL)
     got = target_dlogits(*args, target_grad.to(DEVICE)).cpu()
     units = torch.empty(12, device=DEVICE)
     target_logits_into(*args, units)
     units = units.cpu()
     slope = (1.0 - units) * (1.0 + units)
-    want = (target_grad * (logit.dlogit_scale * slope)).to(torch.bfloat16)
+    want = (target_grad * slope).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, want)
     assert got[2] == 0 and not torch.signbit(got[2].float())

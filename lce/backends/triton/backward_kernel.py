@@ -1,11 +1,11 @@
 """Backward stage, part 1: recompute a ``[T, chunk]`` logits block and write its d_logits.
 
 ``d_z = -p * (softmax_coef + g_ent * (z - E[z])) + uniform`` in fp32 as `BackwardRows` spells it
-out (centred on the row max), ``d_a = d_z * dz/da`` (``s / T`` times the softcap's slope,
-`tiles.logit_map`), stored once in the weight's dtype so the two gradient GEMMs (`stages`) run on
-tensor cores. Every lane takes that formula, the target lane too: `target_kernel` writes its
-value over it (see there why). The buffer is one vocab chunk, never ``[T, V]`` unless V fits the
-chunk budget.
+out (centred on the row max; `tiles.softmax_dz`), ``d_a = d_z * dz/da`` (``s / T`` times the
+softcap's slope, `tiles.logit_map`; the rows come already times ``s / T``), stored once in the
+weight's dtype so the two gradient GEMMs (`stages`) run on tensor cores. Every lane takes that
+formula, the target lane too: `target_kernel` writes its value over it (see there why). The
+buffer is one vocab chunk, never ``[T, V]`` unless V fits the chunk budget.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from lce.backends.triton.config import TritonConfig
 from lce.backends.triton.operands import map_args, operand_args
 from lce.backends.triton.target_kernel import place_target_dlogits
 from lce.backends.triton.tiles import (
+    LOG2E,
     grouped_tile,
     logit_map,
     logits_tile,
@@ -57,13 +58,10 @@ def _dlogits_kernel(
     H,
     centred_scale,
     cap_scale,
-    dlogit_scale,
     stride_ht,
     stride_hh,
     stride_wv,
     stride_wh,
-    stride_coef,
-    stride_gent,
     stride_dt,
     BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -103,24 +101,28 @@ def _dlogits_kernel(
     row_max = tl.load(max_ptr + rows)  # raw units, as the forward's running max
     log_sumexp = tl.load(log_sumexp_ptr + rows)
     centred_mean = tl.load(centred_mean_ptr + rows)
-    coef = tl.load(softmax_coef_ptr + rows * stride_coef)
-    g_ent = tl.load(grad_entropy_ptr + rows * stride_gent)
+    coef = tl.load(softmax_coef_ptr + rows)
+    g_ent = tl.load(grad_entropy_ptr + rows)
     target_grad = tl.load(target_grad_ptr + rows)
-    # Centred before the scale exactly as the forward centred the lane (z - max z rounded once,
-    # relative to the lane's distance from the max): scaling first and subtracting the rounded
-    # max z left ~2^-24 |z| in p that the forward's log-sum-exp did not share (shift-variant).
-    centred = (acc - row_max[:, None]) * centred_scale
-    d_z = softmax_dz(
-        centred, log_sumexp[:, None], coef[:, None], g_ent[:, None], centred_mean[:, None], True
-    )
-    # Rows with zero upstream gradient (ignored tokens) get exactly 0, even if p overflowed (the
-    # target lane's value: `target_kernel.target_dlogits`).
+    # Rows with zero upstream gradient (ignored tokens) get 0 (their target lane's too:
+    # `target_kernel.target_dlogits`): their coefficients are all 0 and a log-sum-exp of +inf
+    # makes their p 0, so finite logits give 0 with no per-lane select (the compiler moved one
+    # past the bf16 cast, 2 instructions a lane: docs/BENCHMARKS.md).
     active = (coef != 0.0) | (g_ent != 0.0) | (target_grad != 0.0)
     if SMOOTHING:
         uniform = tl.load(uniform_ptr + rows)
-        d_z += uniform[:, None]
         active |= uniform != 0.0
-    d_logits = tl.where(active[:, None], d_z * (dlogit_scale * slope), 0.0)
+    log_sumexp = tl.where(active, log_sumexp, float("inf"))
+    # Centred before the scale exactly as the forward centred the lane (z - max z rounded once,
+    # relative to the lane's distance from the max): scaling first and subtracting the rounded
+    # max z left ~2^-24 |z| in p that the forward's log-sum-exp did not share (shift-variant).
+    centred2 = (acc - row_max[:, None]) * (centred_scale * LOG2E)
+    d_z = softmax_dz(
+        centred2, log_sumexp[:, None], -coef[:, None], -g_ent[:, None], centred_mean[:, None], True
+    )
+    if SMOOTHING:
+        d_z += uniform[:, None]
+    d_logits = d_z * slope
     if BF16_INTERPRETED:
         # The interpreter truncates fp32 -> bf16; round to nearest as the GPU does.
         d_logits = round_bf16_rne(d_logits)
@@ -145,8 +147,9 @@ def dlogits_chunk(
     ``bias_chunk``, unit stride, or None) into ``out``, the target lanes from ``target_values``
     (`target_kernel.target_dlogits` of the shard).
 
-    ``out`` is ``[T, C]`` with unit column stride; ``rows`` fp32, contiguous but for
-    ``softmax_coef`` and ``grad_entropy`` (any stride); ``targets`` int64 contiguous.
+    ``out`` is ``[T, C]`` with unit column stride; ``rows`` fp32 and contiguous, their ``d_z``
+    coefficients already times ``logit.dlogit_scale`` (`stages._scaled`); ``targets`` int64
+    contiguous.
     """
     num_tokens, chunk = hidden.shape[0], weight_chunk.shape[0]
     tiles = config.backward_tile(logit.softcap is not None).for_dtype(weight_chunk.dtype)
@@ -156,9 +159,7 @@ def dlogits_chunk(
         log_sumexp_ptr=rows.log_sumexp, centred_mean_ptr=rows.centred_mean,
         softmax_coef_ptr=rows.softmax_coef, grad_entropy_ptr=rows.grad_entropy,
         target_grad_ptr=rows.target_grad, uniform_ptr=rows.uniform, dlogits_ptr=out,
-        T=num_tokens, C=chunk, C_DIV16=chunk % 16 == 0,
-        dlogit_scale=logit.dlogit_scale, **map_args(logit, bias_chunk),
-        stride_coef=rows.softmax_coef.stride(0), stride_gent=rows.grad_entropy.stride(0),
+        T=num_tokens, C=chunk, C_DIV16=chunk % 16 == 0, **map_args(logit, bias_chunk),
         stride_dt=out.stride(0),
         **operand_args(hidden, weight_chunk, tiles, config.use_tma),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP=tiles.group,

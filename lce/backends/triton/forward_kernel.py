@@ -18,7 +18,14 @@ from lce.backends.base import ShardStats
 from lce.backends.triton.config import TritonConfig, interpreting
 from lce.backends.triton.operands import map_args, operand_args
 from lce.backends.triton.target_kernel import target_logits_into
-from lce.backends.triton.tiles import grouped_tile, logit_map, logits_tile, logits_tile_tma
+from lce.backends.triton.tiles import (
+    LN2,
+    LOG2E,
+    grouped_tile,
+    logit_map,
+    logits_tile,
+    logits_tile_tma,
+)
 from lce.options import LogitOptions
 
 # The per-split planes of `forward_partials`: the `ShardStats` fields but the target's.
@@ -28,8 +35,6 @@ INTERPRETER_PROGRAMS = 2
 # The merge's tile: 32 tokens (one 128-byte line per split and plane) x 64 splits, so T / 32
 # programs share the reads (see `merge_partials` for what fewer, longer programs cost).
 MERGE_BLOCK_T, MERGE_BLOCK_S = 32, 64
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

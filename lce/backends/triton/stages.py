@@ -130,15 +130,7 @@ class TritonStages:
             return grads._replace(hidden=_result(grad_hidden))
         free_rows = grads.weight if len(blocks) == 1 and grads.weight is not None else None
         chunks = _dlogits_chunks(blocks[0].stop, weight, free_rows, config, kept is not None)
-        if kept is None:
-            rows = BackwardRows(
-                *(s.float().contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
-                rows.softmax_coef.float(),
-                rows.grad_entropy.float(),
-                *(s.float().contiguous() for s in (rows.target_grad, rows.uniform)),
-            )
-        else:
-            rows = _scaled(rows, logit.dlogit_scale)
+        rows = _scaled(rows, logit.dlogit_scale)
         targets, bias = targets.contiguous(), _contiguous(bias)
         for block in blocks:
             block_hidden = hidden[block]
@@ -322,9 +314,11 @@ def _loss_grad_buffers(
 
 
 def _scaled(rows: BackwardRows, scale: float) -> BackwardRows:
-    """``rows`` for `row_dlogits`: contiguous fp32, the ``d_z`` coefficients times ``scale``."""
+    """``rows`` for the d_logits kernels: contiguous fp32, the ``d_z`` coefficients times
+    ``scale`` (``logit.dlogit_scale``: each lane's ``d_a`` is then ``d_z`` times the softcap's
+    slope alone)."""
     return BackwardRows(
-        *(s.contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
+        *(s.float().contiguous() for s in (rows.max, rows.log_sumexp, rows.centred_mean)),
         *((s.float() * scale).contiguous() for s in (rows.softmax_coef, rows.grad_entropy)),
         *((s.float() * scale).contiguous() for s in (rows.target_grad, rows.uniform)),
     )

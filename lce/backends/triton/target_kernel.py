@@ -144,17 +144,17 @@ def target_dlogits(
     config: TritonConfig,
     target_grad: torch.Tensor,
 ) -> torch.Tensor:
-    """Each token's target-lane d_logits in weight's dtype, ``[T]``: ``target_grad * (dlogit_scale
-    * slope)`` rounded once (`BackwardRows`; the softcap's slope ``(1 - r)(1 + r)`` from the lane's
-    raw unit, `target_logits_into`), 0 where ``target_grad`` is 0 (an ignored row's d_logits are
-    exactly 0, as the tiles' are). Tokens whose target this shard does not hold get a value no
-    chunk places."""
-    scale: float | torch.Tensor = logit.dlogit_scale
+    """Each token's target-lane d_logits in weight's dtype, ``[T]``: ``target_grad * slope``
+    rounded once (``target_grad`` as `BackwardRows` has it, times ``logit.dlogit_scale``; the
+    softcap's slope ``(1 - r)(1 + r)`` from the lane's raw unit, `target_logits_into`), 0 where
+    ``target_grad`` is 0 (an ignored row's d_logits are exactly 0, as the tiles' are). Tokens
+    whose target this shard does not hold get a value no chunk places."""
+    slope: float | torch.Tensor = 1.0
     if logit.softcap is not None:
         units = torch.empty_like(target_grad)
         target_logits_into(hidden, weight, bias, targets, vocab_start, logit, config, units)
-        scale = scale * ((1.0 - units) * (1.0 + units))
-    values = torch.where(target_grad != 0, target_grad * scale, 0.0)
+        slope = (1.0 - units) * (1.0 + units)
+    values = torch.where(target_grad != 0, target_grad * slope, 0.0)
     return values.to(weight.dtype)
 
 

@@ -14,6 +14,7 @@ which *is* the stock path) only the envelope against R applies.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -505,6 +506,9 @@ def main() -> int:
     parser.add_argument("--backend", default="triton" if torch.cuda.is_available() else "torch")
     parser.add_argument("--json", type=Path, help="also write every verdict here")
     args = parser.parse_args()
+    if importlib.util.find_spec("megatron") is None:  # else each spawned rank fails at import
+        print("megatron-core is not installed: install (or carry) megatron-core 0.16.1 first")
+        return 2
     with tempfile.TemporaryDirectory() as workdir:
         rows = run(args.nprocs, args.backend, Path(workdir))
     for row in rows:

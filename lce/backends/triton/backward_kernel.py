@@ -19,7 +19,7 @@ from lce.backends.triton.config import TritonConfig
 from lce.backends.triton.operands import map_args, operand_args
 from lce.backends.triton.target_kernel import place_target_dlogits
 from lce.backends.triton.tiles import (
-    LOG2E,
+    centred_log2,
     grouped_tile,
     logit_map,
     logits_tile,
@@ -116,7 +116,7 @@ def _dlogits_kernel(
     # Centred before the scale exactly as the forward centred the lane (z - max z rounded once,
     # relative to the lane's distance from the max): scaling first and subtracting the rounded
     # max z left ~2^-24 |z| in p that the forward's log-sum-exp did not share (shift-variant).
-    centred2 = (acc - row_max[:, None]) * (centred_scale * LOG2E)
+    centred2 = centred_log2(acc, row_max[:, None], centred_scale)
     d_z = softmax_dz(
         centred2, log_sumexp[:, None], -coef[:, None], -g_ent[:, None], centred_mean[:, None], True
     )

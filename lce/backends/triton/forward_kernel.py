@@ -20,7 +20,7 @@ from lce.backends.triton.operands import map_args, operand_args
 from lce.backends.triton.target_kernel import target_logits_into
 from lce.backends.triton.tiles import (
     LN2,
-    LOG2E,
+    centred_log2,
     grouped_tile,
     logit_map,
     logits_tile,
@@ -74,7 +74,7 @@ def _online_softmax_step(
     shift = tl.where(seen, (row_max - new_max) * centred_scale, 0.0)
     scale = tl.where(seen, tl.exp(shift), 0.0)
     # Lanes in log2 units: one multiply and exp2 per lane (tl.exp multiplies by log2(e) again).
-    centred2 = (acc - new_max[:, None]) * (centred_scale * LOG2E)
+    centred2 = centred_log2(acc, new_max[:, None], centred_scale)
     if MASKED:
         centred2 = tl.where(in_v, centred2, 0.0)
     e = tl.exp2(centred2)

@@ -15,7 +15,7 @@ import triton.language as tl
 from lce.backends.base import BackwardRows
 from lce.backends.triton.config import interpreting
 from lce.backends.triton.operands import map_args
-from lce.backends.triton.tiles import LOG2E, logit_map, round_bf16_rne, softmax_dz
+from lce.backends.triton.tiles import centred_log2, logit_map, round_bf16_rne, softmax_dz
 from lce.options import LogitOptions
 
 BLOCK_V = 2048  # 8 warps: 8 elements per thread per step
@@ -253,7 +253,7 @@ def _row_dlogits_kernel(
             logits_ptr + row * stride_lt, bias_ptr, offs, in_v, cap_scale, HAS_BIAS, SOFTCAP, True
         )
         # Centred before the scale, as the statistics were (`ShardStats`): no rounding at |z|.
-        centred2 = (acc - row_max) * (centred_scale * LOG2E)
+        centred2 = centred_log2(acc, row_max, centred_scale)
         d = softmax_dz(centred2, log_sumexp, -coef, -g_ent, centred_mean, ENTROPY)
         if SMOOTHING:
             d += uniform

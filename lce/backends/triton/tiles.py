@@ -170,6 +170,15 @@ def logit_map(acc, bias, cap_scale, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexp
 
 
 @triton.jit
+def centred_log2(acc, row_max, centred_scale):
+    """A lane's centred logit in log2 units, ``(r - max) (k log2 e)`` of raw units ``acc`` and
+    their row max ``row_max`` (broadcast): subtracted before the scale, so the max lane is exactly
+    0 and nothing rounds at the logits' magnitude. Every kernel that centres a lane for an ``ex2``
+    forms it here, so the forward's statistics and the backward's ``p`` round each lane alike."""
+    return (acc - row_max) * (centred_scale * LOG2E)
+
+
+@triton.jit
 def softmax_dz(centred2, log_sumexp, neg_coef, neg_g_ent, centred_mean, ENTROPY: tl.constexpr):
     """``d_z`` off the target lane, before label smoothing's uniform term
     (`lce.backends.base.BackwardRows`), from a lane's centred logit in log2 units, ``centred2 =

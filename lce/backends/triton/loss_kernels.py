@@ -15,7 +15,14 @@ import triton.language as tl
 from lce.backends.base import BackwardRows
 from lce.backends.triton.config import interpreting
 from lce.backends.triton.operands import map_args
-from lce.backends.triton.tiles import centred_log2, logit_map, round_bf16_rne, softmax_dz
+from lce.backends.triton.tiles import (
+    LN2,
+    LOG2E,
+    centred_log2,
+    logit_map,
+    round_bf16_rne,
+    softmax_dz,
+)
 from lce.options import LogitOptions
 
 BLOCK_V = 2048  # 8 warps: 8 elements per thread per step
@@ -30,16 +37,17 @@ def _lane_stats_step(
     lane_sum_z,
     lane_sum_c,
     count,
-    centred_scale,
+    neg_scale2,
     in_v,
     MASKED: tl.constexpr,
     SMOOTHING: tl.constexpr,
 ):
-    """Fold one element per lane into the lane statistics (see `_row_stats_kernel`).
+    """Fold one element per lane into the lane statistics (see `_row_stats_kernel`), whose
+    centred sums are in log2 units (``neg_scale2 = -k log2 e``).
 
-    One exp per element: exp(-|a - lane max| * centred_scale) is the element's own term when it is
-    not a new maximum, and the rescale of the lane's old terms when it is (the old max then joins
-    the non-max sum). Unless ``MASKED``, every lane has seen an element (finite max); ``MASKED``
+    One exp per element: 2^(-|a - lane max| k log2 e) is the element's own term when it is not a
+    new maximum, and the rescale of the lane's old terms when it is (the old max then joins the
+    non-max sum). Unless ``MASKED``, every lane has seen an element (finite max); ``MASKED``
     also guards unseen lanes and those ``in_v`` leaves out (loaded as -inf). ``count``: the
     elements each lane folded before (``SMOOTHING``: their centred sum moves with a new max).
     """
@@ -50,11 +58,14 @@ def _lane_stats_step(
     else:
         base = lane_max
     # Centred before the scale (the max lane's centred value exactly 0): a - max when a is
-    # no new max, max_old - a when it is, both <= 0 and each the value the forward kernel rounds.
-    d = -tl.abs(acc - base) * centred_scale
+    # no new max, max_old - a when it is, both <= 0 and each rounded as `tiles.centred_log2`
+    # rounds the lane in the forward and d_logits kernels. The bare ex2 (`tl.exp` multiplies by
+    # log2 e again and guards subnormal results: 4 of the ~20 instructions an element, in a
+    # sweep that was bound by them rather than by memory); terms below 2^-126 flush to 0.
+    d = tl.abs(acc - base) * neg_scale2
     if MASKED:
         d = tl.where(ok, d, 0.0)
-    t = tl.exp(d)
+    t = tl.exp2(d)
     if MASKED:
         t = tl.where(ok, t, 0.0)
     total = 1.0 + lane_nonmax
@@ -122,8 +133,10 @@ def _row_stats_kernel(
     # Per lane: a running max in raw units (centred before the scale, as the forward
     # kernel does, so the max lane's centred value is exactly 0), the sum of exp(z - max) over
     # the lane's elements but its max (whose term is exactly 1: kept apart, as `ShardStats`
-    # asks) and the centred sums of z. Lanes merge once at the end: no cross-thread reduction in
-    # the sweep. The first whole tile only sets each lane's max; the others run unmasked.
+    # asks) and the centred sums of z in log2 units. Lanes merge once at the end, back in natural
+    # units: no cross-thread reduction in the sweep. The first whole tile only sets each lane's
+    # max; the others run unmasked.
+    scale2 = centred_scale * LOG2E
     full_tiles = V // BLOCK_V
     lane_nonmax = tl.zeros((BLOCK_V,), dtype=tl.float32)
     lane_sum_z = tl.zeros((BLOCK_V,), dtype=tl.float32)
@@ -135,7 +148,7 @@ def _row_stats_kernel(
         offs = i * BLOCK_V + cols
         acc, _ = _mapped(row_ptr, bias_ptr, offs, None, cap_scale, HAS_BIAS, SOFTCAP, False)
         lane_max, lane_nonmax, lane_sum_z, lane_sum_c = _lane_stats_step(
-            acc, lane_max, lane_nonmax, lane_sum_z, lane_sum_c, i, centred_scale, None, False,
+            acc, lane_max, lane_nonmax, lane_sum_z, lane_sum_c, i, -scale2, None, False,
             SMOOTHING,
         )  # fmt: skip
     if full_tiles * BLOCK_V < V:
@@ -143,7 +156,7 @@ def _row_stats_kernel(
         in_v = offs < V
         acc, _ = _mapped(row_ptr, bias_ptr, offs, in_v, cap_scale, HAS_BIAS, SOFTCAP, True)
         lane_max, lane_nonmax, lane_sum_z, lane_sum_c = _lane_stats_step(
-            acc, lane_max, lane_nonmax, lane_sum_z, lane_sum_c, full_tiles, centred_scale, in_v,
+            acc, lane_max, lane_nonmax, lane_sum_z, lane_sum_c, full_tiles, -scale2, in_v,
             True, SMOOTHING,
         )  # fmt: skip
     # The target's logit: one load where this shard holds it (-1, ignored, is held by none).
@@ -153,8 +166,8 @@ def _row_stats_kernel(
     target, _ = _mapped(row_ptr, bias_ptr, at, owned, cap_scale, HAS_BIAS, SOFTCAP, True)
     row_max = tl.max(lane_max, axis=0)
     seen = lane_max > float("-inf")
-    shift = tl.where(seen, (lane_max - row_max) * centred_scale, 0.0)
-    scale = tl.where(seen, tl.exp(shift), 0.0)
+    shift = tl.where(seen, (lane_max - row_max) * scale2, 0.0)  # log2 units
+    scale = tl.where(seen, tl.exp2(shift), 0.0)
     # One lane holding the row max keeps its max's 1 out; every other lane's max term joins.
     first_max = tl.min(tl.where(lane_max == row_max, cols, BLOCK_V), axis=0)
     own_max = tl.where(seen & (cols != first_max), scale, 0.0)
@@ -162,12 +175,12 @@ def _row_stats_kernel(
     tl.store(out, row_max)  # raw units (`ShardStats`)
     tl.store(out + plane, tl.sum(scale * lane_nonmax + own_max, axis=0))
     total = tl.where(seen, 1.0 + lane_nonmax, 0.0)
-    tl.store(out + 2 * plane, tl.sum(scale * (lane_sum_z + shift * total), axis=0))
+    tl.store(out + 2 * plane, tl.sum(scale * (lane_sum_z + shift * total), axis=0) * LN2)
     tl.store(out + 3 * plane, tl.where(owned, target, 0.0))
     sum_centred = 0.0
     if SMOOTHING:  # each lane's elements: the whole tiles, plus one if the tail reaches it
         elements = full_tiles + (full_tiles * BLOCK_V + cols < V).to(tl.int32)
-        sum_centred = tl.sum(tl.where(seen, lane_sum_c + elements * shift, 0.0), axis=0)
+        sum_centred = tl.sum(tl.where(seen, lane_sum_c + elements * shift, 0.0), axis=0) * LN2
     tl.store(out + 4 * plane, sum_centred)
 
 

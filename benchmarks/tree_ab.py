@@ -1,4 +1,4 @@
-"""Interleaved A/B of lce source trees on one CUDA GPU: the Triton forward, the default loss path.
+"""Interleaved A/B of lce source trees on one CUDA GPU: the Triton forward and every loss path.
 
     python benchmarks/tree_ab.py --trees before=OLD_TREE,after=. --reps 3 --json ab.json
 
@@ -6,9 +6,12 @@ Each repetition runs every tree once, in turn, in a subprocess of its own that i
 `lce` (so one process never mixes two trees' kernels). A run at one shape (llama3-8k by default)
 times, after warm-up, with CUDA events and medians: `TritonStages().forward_stats` alternating with
 one bf16 GEMM (the floor, which drifts between runs); the default mean loss (4 GEMMs) forward +
-backward alternating with the per-token path's (log-probs and entropy under a random upstream),
-and the loss's peak allocated memory above the inputs. The table gives each tree's medians over
-its runs and their spread (min-max).
+backward alternating with the per-token path's (log-probs and entropy under a random upstream);
+the 3-GEMM mean loss into an fp32 main_grad (``grad_weight_into``) alternating with the mean loss
+over kept logits (a ``keep_logits_bytes`` budget of exactly the logits), the two paths whose
+row kernels (`lce.backends.triton.loss_kernels`) sweep materialized logits; and the default loss's
+peak allocated memory above the inputs. The table gives each tree's medians over its runs and
+their spread (min-max).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ SHAPES = {
     "qwen2.5-16k": (16384, 3584, 152064),
     "gemma2-8k": (8192, 2304, 256000),
 }
-FIELDS = ("forward_ms", "gemm_ms", "loss_ms", "token_ms", "loss_peak_gib")
+FIELDS = ("forward_ms", "gemm_ms", "loss_ms", "token_ms", "into_ms", "kept_ms", "loss_peak_gib")
 
 
 def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
@@ -65,10 +68,26 @@ def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
         out = lce.token_logprobs(h, w, targets, backend="triton")
         return torch.autograd.grad([out.logprobs, out.entropy], (h, w), list(upstream))
 
-    for fn in (forward, gemm, forward, gemm, loss, loss, token, token):  # warm-up: compiles
-        fn()
+    main_grad = torch.zeros(vocab, hidden_size, device="cuda")
+    keep = num_tokens * vocab * weight.element_size()
+
+    def into():  # SFT's fastest scalar loss: 3 GEMMs, grad_weight added to an fp32 main_grad
+        h = hidden.detach().requires_grad_()
+        out = lce.linear_cross_entropy(
+            h, weight, targets, backend="triton", grad_weight_into=main_grad
+        )
+        return torch.autograd.grad(out, (h,))
+
+    def kept():  # the mean loss over kept logits: 3 GEMMs, the logits' memory allowed
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        out = lce.linear_cross_entropy(h, w, targets, backend="triton", keep_logits_bytes=keep)
+        return torch.autograd.grad(out, (h, w))
+
+    for fn in (forward, gemm, forward, gemm, loss, loss, token, token, into, into, kept, kept):
+        fn()  # warm-up: compiles
     pairs = [(event_ms(forward), event_ms(gemm)) for _ in range(forward_reps)]
     loss_pairs = [(event_ms(loss), event_ms(token)) for _ in range(loss_reps)]
+    three_gemm_pairs = [(event_ms(into), event_ms(kept)) for _ in range(loss_reps)]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -82,6 +101,8 @@ def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
         "gemm_ms": statistics.median(g for _, g in pairs),
         "loss_ms": statistics.median(m for m, _ in loss_pairs),
         "token_ms": statistics.median(t for _, t in loss_pairs),
+        "into_ms": statistics.median(i for i, _ in three_gemm_pairs),
+        "kept_ms": statistics.median(k for _, k in three_gemm_pairs),
         "loss_peak_gib": peak,
     }
 

@@ -72,10 +72,9 @@ def child(shape: str, forward_reps: int, loss_reps: int) -> dict:
     keep = num_tokens * vocab * weight.element_size()
 
     def into():  # SFT's fastest scalar loss: 3 GEMMs, grad_weight added to an fp32 main_grad
-        h = hidden.detach().requires_grad_()
-        out = lce.linear_cross_entropy(
-            h, weight, targets, backend="triton", grad_weight_into=main_grad
-        )
+        # (weight must want a gradient: the route computes only the wanted ones)
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        out = lce.linear_cross_entropy(h, w, targets, backend="triton", grad_weight_into=main_grad)
         return torch.autograd.grad(out, (h,))
 
     def kept():  # the mean loss over kept logits: 3 GEMMs, the logits' memory allowed

@@ -17,8 +17,8 @@ from lce.backends.triton.config import interpreting
 from lce.backends.triton.operands import map_args
 from lce.backends.triton.tiles import (
     LN2,
-    LOG2E,
     centred_log2,
+    log2_scale,
     logit_map,
     round_bf16_rne,
     softmax_dz,
@@ -136,7 +136,7 @@ def _row_stats_kernel(
     # asks) and the centred sums of z in log2 units. Lanes merge once at the end, back in natural
     # units: no cross-thread reduction in the sweep. The first whole tile only sets each lane's
     # max; the others run unmasked.
-    scale2 = centred_scale * LOG2E
+    scale2 = log2_scale(centred_scale)
     full_tiles = V // BLOCK_V
     lane_nonmax = tl.zeros((BLOCK_V,), dtype=tl.float32)
     lane_sum_z = tl.zeros((BLOCK_V,), dtype=tl.float32)

@@ -170,12 +170,19 @@ def logit_map(acc, bias, cap_scale, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexp
 
 
 @triton.jit
+def log2_scale(centred_scale):
+    """``k log2 e``: the multiplier that takes a centred raw difference to log2 units, formed once
+    for every kernel that centres lanes (`centred_log2`, the row statistics' sweep)."""
+    return centred_scale * LOG2E
+
+
+@triton.jit
 def centred_log2(acc, row_max, centred_scale):
     """A lane's centred logit in log2 units, ``(r - max) (k log2 e)`` of raw units ``acc`` and
     their row max ``row_max`` (broadcast): subtracted before the scale, so the max lane is exactly
     0 and nothing rounds at the logits' magnitude. Every kernel that centres a lane for an ``ex2``
     forms it here, so the forward's statistics and the backward's ``p`` round each lane alike."""
-    return (acc - row_max) * (centred_scale * LOG2E)
+    return (acc - row_max) * log2_scale(centred_scale)
 
 
 @triton.jit

@@ -61,9 +61,12 @@ class Step:
 
 # The compiled kernel's stages, fullgraph compile of both entry points (0 graph breaks), no
 # host sync under sync-debug "error" and CUDA-graph replay of every path: tests that need CUDA.
+# The 3-GEMM loss's row kernels and its paths run on CUDA where it exists, compiled there.
 KERNEL_TESTS = (
     "tests/lce/test_triton_stages.py",
     "tests/lce/test_kept_logits.py",
+    "tests/lce/test_loss_kernels.py",
+    "tests/lce/test_loss_paths.py",
     "tests/lce/test_compile.py",
     "tests/lce/test_cuda_hot_path.py",
     "tests/lce/test_target_kernel.py",

@@ -81,7 +81,6 @@ def test_a_worker_killed_mid_job_is_an_infrastructure_error(tp, tmp_path, monkey
     assert "1 infrastructure error(s)" in report
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_stopped_campaign_writes_its_report_so_far(sig, tmp_path):
     out = tmp_path / "out"

@@ -132,7 +132,6 @@ def test_corpus_checks_the_fix_holds_and_the_bug_is_caught(planted, capsys):
     assert "UNEXPECTED: bug not caught" in capsys.readouterr().out
 
 
-@pytest.mark.slow
 def test_run_writes_a_readable_report(tmp_path, capsys):
     out = tmp_path / "report"
     argv = shlex.split("run --backends torch --tp 1 --max-examples 4 --dtypes fp32,bf16")

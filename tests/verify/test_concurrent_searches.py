@@ -3,8 +3,6 @@ process from its own seed, and the campaign reports them as one slice."""
 
 from __future__ import annotations
 
-import pytest
-
 from verify.adapters import resolve
 from verify.cases.strategies import landmarks_at
 from verify.results import report
@@ -15,7 +13,6 @@ from verify.running.progress import Progress
 from verify.running.search import RESTARTS
 
 
-@pytest.mark.slow
 def test_two_searches_report_as_one_slice(tmp_path):
     config = CampaignConfig(
         impl="lce-torch",

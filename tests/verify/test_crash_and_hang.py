@@ -41,7 +41,6 @@ def _verify(*argv: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("impl", sorted(KINDS))
 def test_a_hang_or_a_crash_is_a_finding_that_replays(impl: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -74,7 +73,6 @@ def test_a_hang_or_a_crash_is_a_finding_that_replays(impl: str, tmp_path: Path) 
     assert f"{KINDS[impl]} reproduced in a worker process: yes" in replayed.stdout
 
 
-@pytest.mark.slow
 def test_the_pytest_plugin_reports_a_crash(pytester: pytest.Pytester) -> None:
     pytester.makeconftest('pytest_plugins = ["verify.pytest_plugin"]')
     pytester.makepyfile(

@@ -246,8 +246,10 @@ class NumericalContract:
     ``logits``: ``"fp32"`` (fp32 accumulation, logits never rounded to the input dtype, like lce)
     or ``"input"`` (logits rounded to the input dtype before an fp32 softmax, the stock path).
     ``outputs``: dtype of logprobs/entropy/loss: ``"fp32"`` (lce's contract) or ``"input"`` (the
-    input dtype; the harness upcasts them exactly, so their rounding is still measured, and the
-    contract property's dtype clause does not apply).
+    input dtype, or fp32; the harness upcasts them exactly and grants their one rounding,
+    `verify.properties.verdict.returned_rounding`). Both ``logits`` contracts are judged by the
+    same tolerances.yaml entries (the low-precision ones were set for the stock path, which rounds
+    its logits, and bound an fp32-logits kernel from above).
     """
 
     logits: str = "fp32"
@@ -260,15 +262,6 @@ class NumericalContract:
             raise AdapterError(
                 f"contract.outputs must be one of {OUTPUT_DTYPES}, got {self.outputs!r}"
             )
-
-    def tolerance_key(self, dtype_key: str) -> str:
-        """The tolerances.yaml dtype key judging this contract at the spec's ``dtype_key``.
-
-        Both contracts map to the spec's key: the low-precision entries were set for a pipeline
-        that rounds logits to the input dtype (the baseline B) and bound an fp32-logits kernel
-        from above; tolerances.yaml has no tighter per-contract entries yet.
-        """
-        return dtype_key
 
 
 @dataclass(frozen=True)

@@ -187,12 +187,14 @@ def _run(
         torch.cuda.synchronize(rank.device)
     result["compute_s"] = time.perf_counter() - began
     result["inputs_unchanged"] = inputs.unchanged_since(before)
+    # The dtypes as returned: an input-dtype output's rounding is granted by its dtype
+    # (`verify.properties.verdict.returned_rounding`).
+    result["dtypes"] = {k: str(v.dtype) for k, v in result.items() if isinstance(v, torch.Tensor)}
     if adapter.contract.outputs == "input":
         # Exact upcast: the rounding to the input dtype is still measured; only the dtype differs.
         for name in ("logprobs", "entropy", "loss"):
             if name in result and result[name].dtype != torch.float64:
                 result[name] = result[name].float()
-    result["dtypes"] = {k: str(v.dtype) for k, v in result.items() if isinstance(v, torch.Tensor)}
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
 
 

@@ -67,9 +67,8 @@ def compiled(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     verdicts = []
     for name, value in run.outputs.items():
         tol = tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name])
-        verdicts.append(
-            tolerance_check("compiled", spec, name, value, exp.ref[name], exp.base[name], tol)
-        )
+        args = ("compiled", spec, name, value, exp.ref[name], exp.base[name], tol)
+        verdicts.append(tolerance_check(*args, returned=run.dtypes.get(name)))
     same = sorted(n for n, v in run.outputs.items() if torch.equal(v, eager.outputs.get(n, v)))
     detail = f"bit-equal to eager: {same}; outputs {sorted(run.outputs)}"
     verdicts.append(

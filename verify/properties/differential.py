@@ -34,6 +34,7 @@ def differential(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
             exp.base[name],
             tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name]),
             statistical=True,
+            returned=run.dtypes.get(name),
         )
         for name, value in run.outputs.items()
     ]
@@ -44,7 +45,7 @@ def contract(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     run = runner.run(spec)
     if run.status != "ok":
         return [refused("contract", spec, run.error)]
-    verdicts = [_dtypes(spec, run)]
+    verdicts = [_dtypes(spec, run, runner.adapter.contract.outputs == "input")]
     verdicts.append(flag("contract", spec, "inputs", run.inputs_unchanged, "inputs unmodified"))
     if spec.tp > 1:
         verdicts.append(flag("contract", spec, "tp_ranks", run.ranks_agree, "ranks bit-equal"))
@@ -65,12 +66,17 @@ def contract(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     return verdicts
 
 
-def _dtypes(spec: CaseSpec, run: KernelRun) -> PropertyVerdict:
-    # fp32 outputs; for fp64 inputs the torch backend keeps fp64 (Triton gives fp32): either.
+def _dtypes(spec: CaseSpec, run: KernelRun, input_outputs: bool) -> PropertyVerdict:
+    """The dtypes the run returned: fp32 log-probs, entropy and loss (for fp64 inputs the torch
+    backend keeps fp64, Triton gives fp32: either), or, with ``input_outputs`` (a contract of
+    input-dtype outputs), the weight's dtype too; each gradient in its leaf's dtype."""
+    hidden, weight = str(DTYPES[spec.hidden_dtype]), str(DTYPES[spec.weight_dtype])
     out = ("torch.float64", "torch.float32") if spec.dtype_key == "fp64" else ("torch.float32",)
+    if input_outputs:
+        out += (weight,)
     wanted = {"logprobs": out, "entropy": out, "loss": out}
     for prefix in ("grad_", "loss_grad_"):
-        wanted[prefix + "hidden"] = (str(DTYPES[spec.hidden_dtype]),)
-        wanted[prefix + "weight"] = (str(DTYPES[spec.weight_dtype]),)
+        wanted[prefix + "hidden"] = (hidden,)
+        wanted[prefix + "weight"] = (weight,)
     wrong = {k: v for k, v in run.dtypes.items() if k in wanted and v not in wanted[k]}
     return flag("contract", spec, "dtypes", not wrong, f"wrong dtypes {wrong}" if wrong else "ok")

@@ -73,7 +73,8 @@ def _agree(
         base_error = (exp.base[name] - exp.ref[name]).abs() + transform(
             name, exp_other.base[name] - exp_other.ref[name]
         ).abs()
-        out.append(pair_check(prop, spec, name, a.outputs[name], b_value, base_error, tol))
+        args = (prop, spec, name, a.outputs[name], b_value, base_error, tol)
+        out.append(pair_check(*args, returned=a.dtypes.get(name)))
     return out
 
 
@@ -129,7 +130,8 @@ def shift_invariance(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
         columns = slice(1, None) if name.endswith("grad_hidden") else None
         tol = tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name])
         args = ("shift_invariance", spec, name, value, ref[name], base[name], tol)
-        out.append(tolerance_check(*args, columns=columns, dot_rounding=True))
+        returned = run.dtypes.get(name)
+        out.append(tolerance_check(*args, columns=columns, dot_rounding=True, returned=returned))
     return out
 
 

@@ -51,6 +51,7 @@ def _against_peer(
             ref[name],
             value,
             tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name]),
+            returned=run.dtypes.get(name),
         )
         for name, value in peer.items()
         if name in run.outputs

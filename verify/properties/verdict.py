@@ -16,7 +16,8 @@ from traceback import format_exception
 import torch
 
 from verify.cases.spec import CaseSpec
-from verify.numerics.compare import Verdict, compare, nonfinite_mismatch, ratio
+from verify.execution.outcome import TOLERANCE_OUTPUT
+from verify.numerics.compare import Verdict, compare, half_subnormal, nonfinite_mismatch, ratio
 from verify.numerics.tolerances import Tolerance, load
 from verify.properties.oracle import buffer_rounding, oracle
 from verify.properties.rounding_model import rounding_model
@@ -24,6 +25,8 @@ from verify.properties.rounding_model import rounding_model
 # Tier of a verdict that records an exception raised by a property's own code: a bug of the
 # harness, not a verdict on the implementation (reported apart, with its own exit code).
 HARNESS = "harness"
+# tolerances.yaml outputs whose entries are set for fp32 results (lce's contract).
+FP32_RESULTS = ("logprobs", "entropy", "loss")
 # Tiers of a verdict that records the implementation crashing or hanging (`ImplementationFault`).
 FAULTS = ("crash", "hang")
 
@@ -83,13 +86,19 @@ def tolerance_check(
     columns: slice | None = None,
     dot_rounding: bool = False,
     statistical: bool = False,
+    returned: str | None = None,
 ) -> PropertyVerdict:
     """Tiers 1-2 of tolerances.yaml: ``kernel`` vs float64 ``ref``; ``base`` is B's value;
     ``runs`` and ``extra`` as in `verify.numerics.compare.compare`. ``columns``: judge only these
     columns of a 2-D output (its logit scale cut alike). ``dot_rounding``: the logit term
     counts each dot's summation rounding (see `verify.properties.oracle.logit_scales`).
     ``statistical``: ``ref`` is the spec's own R and ``base`` its B, so the statistical tier
-    applies too (`verify.properties.rounding_model`)."""
+    applies too (`verify.properties.rounding_model`). ``returned``: the dtype the
+    implementation returned ``kernel`` in (`KernelRun.dtypes`), whose rounding
+    `returned_rounding` grants."""
+    own = returned_rounding(output, kernel, returned)
+    if own is not None:
+        extra = own if extra is None else extra + own
     scale = subnormal = rounding = None
     if statistical and runs == 1 and columns is None:
         rounding = rounding_model(spec, output, kernel.dtype, load().statistical)
@@ -119,6 +128,25 @@ def tolerance_check(
     return from_compare(prop, spec, verdict)
 
 
+def returned_rounding(
+    output: str, kernel: torch.Tensor, returned: str | None
+) -> torch.Tensor | None:
+    """The rounding of a log-prob, entropy or loss the implementation returned in a 16-bit dtype
+    (a contract of input-dtype outputs, `NumericalContract.outputs`), elementwise: ``u |K| + s/2``
+    with ``u`` that dtype's unit roundoff and ``s`` its smallest subnormal (a round-to-nearest
+    result is off by at most half its spacing, ``u |K|`` at most). tolerances.yaml's entries for
+    these outputs are set for fp32 results: without this a correctly rounded bf16 loss of
+    near-uniform rows (|z| << the loss, so no logit term covers it) failed. None for every other
+    output and dtype (the gradients' entries grant their own dtype's rounding in the floor)."""
+    if returned is None or TOLERANCE_OUTPUT.get(output) not in FP32_RESULTS:
+        return None
+    dtype = getattr(torch, returned.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or dtype.itemsize != 2:
+        return None
+    unit = torch.finfo(dtype).eps / 2
+    return unit * kernel.detach().to(torch.float64).abs() + half_subnormal(dtype)
+
+
 def pair_check(
     prop: str,
     spec: CaseSpec,
@@ -127,6 +155,7 @@ def pair_check(
     other: torch.Tensor,
     base_error: torch.Tensor,
     tol: Tolerance,
+    returned: str | None = None,
 ) -> PropertyVerdict:
     """Two kernel runs that must agree as closely as each agrees with R (the TP rule of
     docs/DESIGN.md): both may be off by their own bound, so ``|kernel - other|`` is held to the
@@ -136,7 +165,8 @@ def pair_check(
     the two problems unusually well: docs/bench/properties.md)."""
     other64 = other.detach().to(torch.float64)
     base = other64 + base_error.to(torch.float64)
-    return tolerance_check(prop, spec, output, kernel, other64, base, tol, runs=2)
+    args = (prop, spec, output, kernel, other64, base, tol)
+    return tolerance_check(*args, runs=2, returned=returned)
 
 
 def exact_check(

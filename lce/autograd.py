@@ -9,7 +9,6 @@ two outputs.
 
 from __future__ import annotations
 
-import math
 from dataclasses import fields, replace
 
 import torch
@@ -320,16 +319,10 @@ def double_backward_error(unsupported: str) -> RuntimeError:
     )
 
 
-# Rows of one block of `scaled_copy`: its fp32 temporary stays near this many bytes.
-SCALE_BLOCK_BYTES = 64 << 20
-
-
 def scaled_copy(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(grad * factor).to(dtype)`` block by block: no second full-size fp32 temporary next to
-    the saved fp32 gradient (2 GiB for grad_weight at llama3-8k)."""
+    """``(grad * factor).to(dtype)`` in one pass: the product formed in ``grad``'s precision and
+    rounded once as it is written: 6 bytes an element moved for an fp32 grad and a bf16 result,
+    where a product then a cast (block by block, to bound its fp32 temporary) moved 14, 7.4 GB
+    against 3.2 GB for grad_weight at llama3-8k."""
     out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-    row_bytes = math.prod(grad.shape[1:]) * grad.element_size()
-    step = max(1, SCALE_BLOCK_BYTES // max(1, row_bytes))
-    for start in range(0, grad.shape[0], step):
-        out[start : start + step] = grad[start : start + step] * factor
-    return out
+    return torch.mul(grad, factor, out=out)

@@ -79,6 +79,17 @@ class Call:
     def temperature(self) -> float:
         return self.options.temperature
 
+    @property
+    def first_id(self) -> int:
+        """The global id of this rank's first weight row: ``vocab_start``, which None leaves to
+        be ``rank * V_local`` (lce's own default, which the harness exercises), resolved; 0
+        without TP. For plain tensors: a DTensor weight's mesh says it instead."""
+        if self.vocab_start is not None:
+            return self.vocab_start
+        if self.tp_group is None:
+            return 0
+        return dist.get_rank(self.tp_group) * self.weight.shape[0]
+
 
 # token_outputs(call) -> {"logprobs": [..targets shape], "entropy": [..] (if claimed)}
 TokenFn = Callable[[Call], Mapping[str, torch.Tensor]]

@@ -34,6 +34,8 @@ PER_RANK_SAME = ("logprobs", "entropy", "loss", "grad_hidden", "loss_grad_hidden
 class KernelRun:
     """Global outputs of one run (rank 0's per-token values, all grad_weight shards), or a refusal.
 
+    ``dtypes``: each output's dtype as the implementation returned it (rank 0's), before the
+    harness's exact upcast of an input-dtype contract's log-probs, entropy and loss.
     ``ranks_agree``: every rank returned bit-identical per-token outputs and grad_hidden.
     ``twice_equal``: for ``grads="twice"``, the second backward repeated the first (else True).
     ``grad_layouts``: each DTensor leaf's gradient that was not a DTensor of the leaf's mesh and

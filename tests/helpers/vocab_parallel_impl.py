@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from verify.adapters.builtin import flat_loss_adapter
+from verify.adapters.builtin import SumGradOverGroup, flat_loss_adapter
 from verify.adapters.interface import Adapter, Call, Capabilities
 
 
@@ -27,25 +27,10 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
-class _GradSummedOverGroup(torch.autograd.Function):
-    """The identity forward; the gradient summed over the group backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def _token_losses(call: Call, end_owned: bool) -> torch.Tensor:
     hidden, group, rows = call.hidden, call.tp_group, call.weight.shape[0]
     if group is not None and call.reduce_grad_hidden:
-        hidden = _GradSummedOverGroup.apply(hidden, group)
+        hidden = SumGradOverGroup.apply(hidden, group)
     logits = (hidden @ call.weight.T).float()
     row_max = logits.max(-1).values.detach()
     if group is not None:

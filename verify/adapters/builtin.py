@@ -384,7 +384,7 @@ def _reduced_loss_adapter(name: str, loss_2d, pairs, limits: Limits, description
                              description=description)  # fmt: skip
 
 
-class _SumGradOverGroup(torch.autograd.Function):
+class SumGradOverGroup(torch.autograd.Function):
     """Identity forward; backward sums the gradient over the TP group (Megatron's copy to the
     tensor-parallel region), for kernels that return a rank's partial grad_hidden."""
 
@@ -418,7 +418,7 @@ def verl_adapter(pairs: tuple[tuple[str, str], ...] = VERL_PAIRS) -> Adapter:
     def tokens(call: Call) -> dict[str, torch.Tensor]:
         hidden = call.hidden
         if call.tp_group is not None and call.reduce_grad_hidden:
-            hidden = _SumGradOverGroup.apply(hidden, call.tp_group)  # verl leaves it partial
+            hidden = SumGradOverGroup.apply(hidden, call.tp_group)  # verl leaves it partial
         logprobs, entropy = kernel.linear_cross_entropy(
             hidden, call.weight, call.targets, call.options.temperature, "none", call.tp_group
         )

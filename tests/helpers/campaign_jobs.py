@@ -1,4 +1,5 @@
-"""Worker-side jobs for the campaign's fault tests: a rank process that dies mid-case."""
+"""Worker-side jobs for the campaign's fault tests: a rank process that dies mid-case, one whose
+first case in each process is slow."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def stall_once(payload: dict[str, Any], ctx: Any) -> Any:
             handle.write(str(os.getpid()))
         os.replace(path + ".tmp", path)
         time.sleep(120)
+    return case_job(payload, ctx)
+
+
+SLOW_FIRST_S = "LCE_TEST_SLOW_FIRST_S"  # environment: seconds the first case in a process sleeps
+_slept: list[bool] = []
+
+
+def slow_first_call(payload: dict[str, Any], ctx: Any) -> Any:
+    """The real case job, after ``$LCE_TEST_SLOW_FIRST_S`` seconds of sleep on the first case in
+    this process: a kernel JIT-compiled on its first call, in every fresh worker again."""
+    if not _slept:
+        _slept.append(True)
+        time.sleep(float(os.environ[SLOW_FIRST_S]))
     return case_job(payload, ctx)
 
 

@@ -1,13 +1,15 @@
 """A campaign's faults are not the implementation's: a worker SIGKILLed from outside mid-job, at
 TP 1 and 2, is an infrastructure error (rank and spec reported, the case rerun once on fresh
-workers, which passes: no failure artifact, exit code `EXIT_INFRA`); SIGINT and SIGTERM stop the
-pool and write the report so far, marked interrupted, with one line to the terminal and exit 130 /
-143."""
+workers, which passes: no failure artifact, exit code `EXIT_INFRA`), and so is a first call slower
+than the per-example deadline (a JIT compile) whose rerun answers within the rerun's longer one;
+SIGINT and SIGTERM stop the pool and write the report so far, marked interrupted, with one line to
+the terminal and exit 130 / 143."""
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import re
 import signal
@@ -19,10 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.campaign_jobs import STALL_FILE
+from tests.helpers.campaign_jobs import SLOW_FIRST_S, STALL_FILE
 from verify.cases.spec import CaseSpec
 from verify.cli import EXIT_HARNESS, EXIT_INFRA, EXIT_SIGNAL, campaign_exit_code
 from verify.distributed import WorkerPool
+from verify.execution.deadline import RERUN_FACTOR, ExampleDeadline
+from verify.running import profiles
 from verify.running.campaign import run_campaign
 from verify.running.config import CampaignConfig
 from verify.running.progress import Progress
@@ -79,6 +83,41 @@ def test_a_worker_killed_mid_job_is_an_infrastructure_error(tp, tmp_path, monkey
     report = (tmp_path / "out" / "report.md").read_text()
     assert report.startswith("# ci campaign of lce-torch: INCOMPLETE (infrastructure")
     assert "1 infrastructure error(s)" in report
+
+
+def test_a_rerun_after_a_hang_gets_longer_within_the_search():
+    deadline = ExampleDeadline(4.0)
+    assert deadline.rerun_seconds(math.inf) == RERUN_FACTOR * 4.0
+    assert deadline.rerun_seconds(6.0) == 10.0  # the search's end plus one deadline
+    assert deadline.rerun_seconds(-1.0) == 4.0  # never shorter than a first attempt's
+    assert ExampleDeadline(4.0, fixed=True).rerun_seconds(math.inf) == 4.0  # the caller's word
+
+
+# The deadline's floor here: healthy cases take milliseconds (a 2 s deadline was once met by one
+# on 2 loaded cores).
+FLOOR_S = 5.0
+
+
+def test_a_slow_first_call_is_not_a_hang(tmp_path, monkeypatch):
+    """Each fresh worker's first case sleeps twice the deadline, as a kernel compiled on its
+    first call does: the first attempt times out, the rerun (on a fresh worker, compiling again)
+    answers within its longer deadline, so the first timeout is the machine's, never a hang."""
+    from verify.execution import execute
+
+    monkeypatch.setenv(SLOW_FIRST_S, str(2 * FLOOR_S))  # before the pool starts
+    monkeypatch.setattr(execute, "CASE_JOB", "tests.helpers.campaign_jobs:slow_first_call")
+    monkeypatch.setitem(profiles.DEADLINE_FLOORS, "ci", FLOOR_S)
+    config = CampaignConfig(
+        impl="lce-torch", tp_sizes=(1,), budget_s=60, out_dir=tmp_path / "out",
+        properties=("differential",), max_examples=3,
+    )  # fmt: skip
+    with WorkerPool(world_size=1, timeout_s=60) as pool:
+        doc = run_campaign(config, Progress("test", 60, stream=None), pool=pool).report
+        assert pool.starts == 2  # rebuilt once, after the first attempt's timeout
+    assert doc["failures"] == [], doc["failures"]
+    (error,) = doc["errors"]
+    assert error["message"].startswith(f"no answer within {FLOOR_S:g} s; the rerun passed")
+    assert doc["examples"] >= 3 and campaign_exit_code(doc) == EXIT_INFRA
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

@@ -3,10 +3,11 @@ dies or stops answering into either an infrastructure error or a finding of the 
 
 A campaign's runner always has a pool: the implementation under test never runs in the driver,
 at TP = 1 too, so a kernel that segfaults, aborts or hangs takes down a worker, not the harness.
-A case whose worker dies or hangs is rerun once on a fresh worker: dying again is the
-implementation's `ImplementationFault` (kind ``crash`` or ``hang``), which the properties report as
-a failing verdict that Hypothesis shrinks like any other; a rerun that passes makes the first
-fault the machine's (``on_fault``). A runner without a pool runs the case in this process (the
+A case whose worker dies or hangs is rerun once on a fresh worker (after a hang, with a longer
+deadline: `ExampleDeadline.rerun_seconds`): failing so again is the implementation's
+`ImplementationFault` (kind ``crash`` or ``hang``), which the properties report as a failing
+verdict that Hypothesis shrinks like any other; a rerun that passes makes the first fault the
+machine's (``on_fault``). A runner without a pool runs the case in this process (the
 library API and the tests of the properties).
 """
 
@@ -111,7 +112,7 @@ def classify(error: PoolError, deadline_s: float) -> Fault:
     if isinstance(error, WorkerHung):
         if error.job is None:
             return Fault(None, first)
-        return Fault("hang", f"no answer within the per-example deadline of {deadline_s:.3g} s")
+        return Fault("hang", f"no answer within {deadline_s:.3g} s")
     fatal = (*execute.FATAL_DEVICE_ERRORS, "AcceleratorError")
     if isinstance(error, WorkerError) and any(text in error.traceback for text in fatal):
         last = error.traceback.strip().splitlines()[-1]
@@ -150,6 +151,7 @@ class Runner:
         self.on_fault = on_fault or (lambda message: None)
         self.stop_at = float("inf")
         self.confirmed: set[str] = set()  # fault kinds confirmed in this search (`new_search`)
+        self.fault_deadline_s: float | None = None  # the deadline of the last fault confirmed
         self.runs = 0  # kernel runs executed (not served from the cache)
         self._cache: OrderedDict[CaseSpec, KernelRun] = OrderedDict()
         self._cache_size = cache_size
@@ -247,7 +249,7 @@ class Runner:
         assert self.pool is not None
         first: Fault | None = None
         for attempt in (1, 2):
-            seconds = self.deadline.seconds()
+            seconds = self._attempt_seconds(first)
             began = time.monotonic()
             try:
                 results = self.pool.run(job, payload, tp=spec.tp, timeout_s=seconds)
@@ -267,6 +269,12 @@ class Runner:
             return results
         raise AssertionError("unreachable")
 
+    def _attempt_seconds(self, first: Fault | None) -> float:
+        """The deadline of an attempt: the rule's; a hung first attempt's rerun gets longer."""
+        if first is not None and first.kind == "hang":
+            return self.deadline.rerun_seconds(self.stop_at - time.monotonic())
+        return self.deadline.seconds()
+
     def _after_fault(
         self, spec: CaseSpec, fault: Fault, first: Fault | None, attempt: int, error: PoolError
     ) -> Fault:
@@ -278,7 +286,9 @@ class Runner:
         confirmed = first is not None and first.kind is not None
         if fault.kind is not None and (confirmed or fault.kind in self.confirmed):
             self.confirmed.add(fault.kind)
-            raise ImplementationFault(fault.kind, fault.detail, spec) from error
+            self.fault_deadline_s = self.deadline.seconds()  # the rule's, as a replay's floor
+            detail = fault.detail if first is None else f"{first.detail}; again: {fault.detail}"
+            raise ImplementationFault(fault.kind, detail, spec) from error
         if attempt == 2:
             if first is not None and first.kind is not None:
                 self.on_fault(f"{first.detail}; the rerun: {fault.detail}; spec {spec.to_json()}")

@@ -371,6 +371,16 @@ class SliceSearch:
         if failing:
             self.unsaved = (spec, failing, self.names_now)
 
+    def _deadline_of(self, failing: list[PropertyVerdict]) -> float | None:
+        """The per-example deadline a failure was found under: where the implementation crashed
+        or hung, the one its fault was confirmed under (the deadline grows with later examples)."""
+        if self.runner is None:
+            return None
+        confirmed = self.runner.fault_deadline_s
+        if confirmed is not None and any(is_fault(v) for v in failing):
+            return confirmed
+        return self.runner.deadline.seconds()
+
     def _save(
         self,
         spec: CaseSpec | None,
@@ -393,7 +403,7 @@ class SliceSearch:
         record = artifacts.make_record(
             spec, ",".join(props), failing, shrunk=shrunk, device=self.config.device, error=error,
             mutant=self.config.mutant, examples=at, impl=self.adapter,
-            example_deadline_s=self.runner.deadline.seconds() if self.runner else None,
+            example_deadline_s=self._deadline_of(failing),
         )  # fmt: skip
         self.unsaved = None
         if signature in self.signatures:  # a restarted search found the same failure class

@@ -1,0 +1,78 @@
+"""`Runner`'s rerun of a case that timed out: on fresh workers under a longer deadline (a slow first
+call answers then, a hang does not), confirmed as a hang only when that one passes too, and
+recorded with the deadline it was confirmed under. A scripted pool stands in for the workers'
+timeouts; `test_campaign_faults` and `test_crash_and_hang` run real ones."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from verify.cases.spec import CaseSpec
+from verify.distributed.errors import WorkerHung
+from verify.execution.deadline import RERUN_FACTOR, ExampleDeadline
+from verify.execution.runner import ImplementationFault, Runner
+
+JOB = "scripted:job"  # never imported: the scripted pool answers for it
+SPEC = CaseSpec(tokens=2, vocab=3)
+
+
+class ScriptedPool:
+    """Times out the first ``timeouts`` jobs, then answers; records each job's timeout."""
+
+    device = "cpu"
+    tp_sizes = (1,)
+
+    def __init__(self, timeouts: int) -> None:
+        self.timeouts, self.given = timeouts, []
+
+    def run(self, job: str, payload: Any, *, tp: int, timeout_s: float) -> list[str]:
+        self.given.append(timeout_s)
+        if len(self.given) <= self.timeouts:
+            raise WorkerHung(ranks=[0], answered=[], timeout_s=timeout_s, job=job, payload=payload)
+        return ["answered"]
+
+    def reset(self) -> None:
+        """Fresh workers (nothing to do here)."""
+
+
+def _runner(pool: ScriptedPool, deadline: ExampleDeadline, faults: list[str]) -> Runner:
+    return Runner(pool, deadline=deadline, on_fault=faults.append)  # type: ignore[arg-type]
+
+
+def _unused() -> list[Any]:
+    raise AssertionError("a runner with a pool runs nothing here")
+
+
+def test_a_timeout_whose_longer_rerun_answers_is_the_machines() -> None:
+    faults: list[str] = []
+    pool = ScriptedPool(timeouts=1)
+    results = _runner(pool, ExampleDeadline(60.0), faults).run_job(JOB, {}, SPEC, _unused)
+    assert results == ["answered"]
+    assert pool.given == [60.0, RERUN_FACTOR * 60.0]
+    (fault,) = faults
+    assert fault.startswith("no answer within 60 s; the rerun passed; spec {")
+
+
+def test_a_hang_is_confirmed_under_the_longer_rerun_and_recorded_under_the_rule() -> None:
+    deadline = ExampleDeadline(60.0)
+    deadline.observe(12.0)  # a slow healthy example: the rule's deadline is now 120 s
+    pool = ScriptedPool(timeouts=2)
+    runner = _runner(pool, deadline, [])
+    with pytest.raises(ImplementationFault) as info:
+        runner.run_job(JOB, {}, SPEC, _unused)
+    assert info.value.kind == "hang" and pool.given == [120.0, RERUN_FACTOR * 120.0]
+    assert info.value.detail == "no answer within 120 s; again: no answer within 600 s"
+    assert runner.fault_deadline_s == 120.0  # what a replay takes as its floor
+    deadline.observe(30.0)  # later examples grow the deadline; the record stays
+    assert runner.fault_deadline_s == 120.0
+
+
+def test_the_rerun_ends_within_the_search_plus_one_deadline() -> None:
+    pool = ScriptedPool(timeouts=1)
+    runner = _runner(pool, ExampleDeadline(60.0), [])
+    runner.new_search(stop_at=time.monotonic() + 30.0)
+    runner.run_job(JOB, {}, SPEC, _unused)
+    assert pool.given[0] == 60.0 and 60.0 < pool.given[1] <= 90.0

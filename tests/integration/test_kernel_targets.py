@@ -176,6 +176,19 @@ def test_user_comparisons_take_the_fastest_peer_and_lces_fastest_path() -> None:
     }
 
 
+def test_the_fastest_peer_less_accurate_than_stock_is_named_so() -> None:
+    """A peer whose gradients pass stock's errors by more than lce is allowed still sets the SFT
+    bar (users pick the fastest), with its errors beside its name; an accurate one without."""
+    quack = _row(kernel_targets.QUACK, "mean", 36.0, 4.1, 2.64e-3, 3.33e-3)
+    verdicts, _ = kernel_targets.judge_user_comparisons([*ISSUE33_ROWS, quack])
+    stock = next(r for r in ISSUE33_ROWS if r["method"] == "stock PyTorch" and r["mode"] == "mean")
+    note = f"{2.64e-3 / stock['gx_rel']:.2f}x / {3.33e-3 / stock['gw_rel']:.2f}x stock's"
+    assert verdicts[1].target.endswith(f"({kernel_targets.QUACK}; its gx / gw errors {note})")
+    assert verdicts[1].measured == pytest.approx(41.1 / 36.0)
+    accurate = kernel_targets.judge_user_comparisons(ISSUE33_ROWS)[0]
+    assert accurate[1].target.endswith("(CCE torch_compile)")
+
+
 def test_main_grad_comparison_adds_the_peers_main_grad_add() -> None:
     # No "+ main_grad add" row (runs before it existed): no such verdict.
     assert len(kernel_targets.judge_user_comparisons(ISSUE33_ROWS)[0]) == 3

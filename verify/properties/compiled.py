@@ -27,11 +27,10 @@ from verify.adapters.interface import Adapter
 from verify.adapters.registry import resolve
 from verify.cases.spec import CaseSpec
 from verify.execution.execute import LocalRank, Rank, case_payload, fatal_device_error, run_payload
-from verify.execution.outcome import TOLERANCE_OUTPUT, assemble
+from verify.execution.outcome import assemble
 from verify.execution.runner import Runner
-from verify.numerics.tolerances import load
 from verify.properties.oracle import oracle
-from verify.properties.verdict import PropertyVerdict, flag, refused, tolerance_check
+from verify.properties.verdict import PropertyVerdict, flag, refused, tolerance_check, tolerance_for
 
 JOB = "verify.properties.compiled:compiled_job"
 # Inductor on CUDA (what users run); on the CPU the aot_eager compiler traces alike (Dynamo, the
@@ -63,10 +62,10 @@ def compiled(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     run = assemble(spec, runner.run_job(JOB, payload, spec, here))
     if run.status != "ok":
         return [flag("compiled", spec, "status", False, f"under torch.compile: {run.error}")]
-    exp, tols = oracle(spec), load()
+    exp = oracle(spec)
     verdicts = []
     for name, value in run.outputs.items():
-        tol = tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name])
+        tol = tolerance_for(spec, name)
         args = ("compiled", spec, name, value, exp.ref[name], exp.base[name], tol)
         verdicts.append(tolerance_check(*args, returned=run.dtypes.get(name)))
     same = sorted(n for n, v in run.outputs.items() if torch.equal(v, eager.outputs.get(n, v)))

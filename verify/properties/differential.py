@@ -7,11 +7,18 @@ from __future__ import annotations
 import torch
 
 from verify.cases.spec import DTYPES, CaseSpec
-from verify.execution.outcome import TOLERANCE_OUTPUT, KernelRun
+from verify.execution.outcome import KernelRun
 from verify.execution.runner import Runner
 from verify.numerics.tolerances import load
 from verify.properties.oracle import oracle
-from verify.properties.verdict import PropertyVerdict, exact_check, flag, refused, tolerance_check
+from verify.properties.verdict import (
+    PropertyVerdict,
+    exact_check,
+    flag,
+    refused,
+    tolerance_check,
+    tolerance_for,
+)
 
 PER_TOKEN = ("logprobs", "entropy", "loss", "grad_hidden", "loss_grad_hidden")
 
@@ -23,7 +30,6 @@ def differential(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     if run.status != "ok":
         return [refused("differential", spec, run.error)]
     exp = oracle(spec)
-    tols = load()
     return [
         tolerance_check(
             "differential",
@@ -32,7 +38,7 @@ def differential(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
             value,
             exp.ref[name],
             exp.base[name],
-            tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name]),
+            tolerance_for(spec, name),
             statistical=True,
             returned=run.dtypes.get(name),
         )

@@ -4,11 +4,9 @@ its old content plus the gradient (Megatron's gradient_accumulation_fusion contr
 from __future__ import annotations
 
 from verify.cases.spec import CaseSpec
-from verify.execution.outcome import TOLERANCE_OUTPUT
 from verify.execution.runner import Runner
-from verify.numerics.tolerances import load
 from verify.properties.oracle import oracle
-from verify.properties.verdict import PropertyVerdict, flag, tolerance_check
+from verify.properties.verdict import PropertyVerdict, flag, tolerance_check, tolerance_for
 
 OUTPUTS = ("loss", "loss_grad_hidden", "loss_grad_weight", "loss_grad_bias")
 
@@ -30,7 +28,7 @@ def main_grad_accumulation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdi
     run = runner.run(spec)
     if run.status != "ok":
         return [flag("main_grad", spec, "status", False, f"refused a valid case: {run.error}")]
-    exp, tols = oracle(spec), load()
+    exp = oracle(spec)
     return [
         tolerance_check(
             "main_grad",
@@ -39,7 +37,7 @@ def main_grad_accumulation(spec: CaseSpec, runner: Runner) -> list[PropertyVerdi
             run.outputs[name],
             exp.ref[name],
             exp.base[name],
-            tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name]),
+            tolerance_for(spec, name),
             statistical=True,
         )
         for name in OUTPUTS

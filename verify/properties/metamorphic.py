@@ -27,6 +27,7 @@ from verify.properties.verdict import (
     pair_check,
     refused,
     tolerance_check,
+    tolerance_for,
 )
 
 GRADS = tuple(name for name in TOLERANCE_OUTPUT if "grad_" in name)
@@ -65,7 +66,7 @@ def _agree(
         if name not in a.outputs or name not in b.outputs:
             continue
         b_value = transform(name, b.outputs[name])
-        tol = tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name])
+        tol = tolerance_for(spec, name)
         if spec.dtype_key == "fp64":
             rel = tols.exact["invariance_fp64"]
             out.append(exact_check(prop, spec, name, a.outputs[name], b_value, rel, tol.atol))
@@ -124,11 +125,10 @@ def shift_invariance(spec: CaseSpec, runner: Runner) -> list[PropertyVerdict]:
     if run.status != "ok":
         return [refused("shift_invariance", spec, run.error)]
     ref, base = oracle(spec.with_(transform="unshift")).ref, oracle(spec).base
-    tols = load()
     out = []
     for name, value in run.outputs.items():
         columns = slice(1, None) if name.endswith("grad_hidden") else None
-        tol = tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name])
+        tol = tolerance_for(spec, name)
         args = ("shift_invariance", spec, name, value, ref[name], base[name], tol)
         returned = run.dtypes.get(name)
         out.append(tolerance_check(*args, columns=columns, dot_rounding=True, returned=returned))
@@ -183,7 +183,7 @@ def linearity_check(
       1.01x (|d| ~ 0.1, u = 2^-8), fp16 mean peaked V=2 loss_grad_weight 1.20x (d ~ 1e-6,
       below fp16's smallest normal, where a rounding errs by up to 3e-8 absolutely); the GPU
       nightly's failures of 2026-11-24 (tests/verify/test_properties_findings.py)."""
-    tol = load().get(spec.dtype_key, TOLERANCE_OUTPUT[name])
+    tol = tolerance_for(spec, name)
     a, b, mixed = (value.detach().double() for value in (a, b, mixed))
     norms = [abs(LINEARITY_A) * a.norm(), b.norm(), mixed.norm()]
     enveloped = 3 * tol.atol * math.sqrt(a.numel()) + tol.rtol * float(sum(norms))

@@ -25,12 +25,10 @@ from verify.cases.rank_inputs import effective_temperature, vocab_range
 from verify.cases.spec import OPTION_DEFAULTS, OPTION_FIELDS, CaseSpec
 from verify.distributed.errors import WorkerError
 from verify.execution import stage_timing
-from verify.execution.outcome import TOLERANCE_OUTPUT
 from verify.execution.runner import Runner
 from verify.numerics.reference import loss_upstream_grad
-from verify.numerics.tolerances import load
 from verify.properties.oracle import oracle
-from verify.properties.verdict import PropertyVerdict, refused, tolerance_check
+from verify.properties.verdict import PropertyVerdict, refused, tolerance_check, tolerance_for
 
 MEGATRON_JOB = "verify.properties.peers:megatron_job"
 
@@ -41,7 +39,7 @@ def _against_peer(
     run = runner.run(spec)
     if run.status != "ok":
         return [refused(prop, spec, run.error)]
-    ref, tols = oracle(spec).ref, load()
+    ref = oracle(spec).ref
     return [
         tolerance_check(
             prop,
@@ -50,7 +48,7 @@ def _against_peer(
             run.outputs[name],
             ref[name],
             value,
-            tols.get(spec.dtype_key, TOLERANCE_OUTPUT[name]),
+            tolerance_for(spec, name),
             returned=run.dtypes.get(name),
         )
         for name, value in peer.items()

@@ -147,6 +147,12 @@ def returned_rounding(
     return unit * kernel.detach().to(torch.float64).abs() + half_subnormal(dtype)
 
 
+def tolerance_for(spec: CaseSpec, output: str) -> Tolerance:
+    """tolerances.yaml's entry for a run's ``output`` (`TOLERANCE_OUTPUT` names its entry) at
+    ``spec``'s dtype pair."""
+    return load().get(spec.dtype_key, TOLERANCE_OUTPUT[output])
+
+
 def pair_check(
     prop: str,
     spec: CaseSpec,

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from verify.adapters.interface import Adapter, Call
+from verify.adapters.interface import OUTPUTS, Adapter, Call
 from verify.adapters.registry import resolve
 from verify.cases.build import Problem, build
 from verify.cases.rank_inputs import RankInputs, rank_inputs, upstream_view
@@ -192,7 +192,7 @@ def _run(
     result["dtypes"] = {k: str(v.dtype) for k, v in result.items() if isinstance(v, torch.Tensor)}
     if adapter.contract.outputs == "input":
         # Exact upcast: the rounding to the input dtype is still measured; only the dtype differs.
-        for name in ("logprobs", "entropy", "loss"):
+        for name in OUTPUTS:  # the outputs whose dtype the contract sets
             if name in result and result[name].dtype != torch.float64:
                 result[name] = result[name].float()
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in result.items()}

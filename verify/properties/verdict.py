@@ -15,6 +15,7 @@ from traceback import format_exception
 
 import torch
 
+from verify.adapters.interface import OUTPUTS as CONTRACT_OUTPUTS
 from verify.cases.spec import CaseSpec
 from verify.execution.outcome import TOLERANCE_OUTPUT
 from verify.numerics.compare import Verdict, compare, half_subnormal, nonfinite_mismatch, ratio
@@ -25,8 +26,6 @@ from verify.properties.rounding_model import rounding_model
 # Tier of a verdict that records an exception raised by a property's own code: a bug of the
 # harness, not a verdict on the implementation (reported apart, with its own exit code).
 HARNESS = "harness"
-# tolerances.yaml outputs whose entries are set for fp32 results (lce's contract).
-FP32_RESULTS = ("logprobs", "entropy", "loss")
 # Tiers of a verdict that records the implementation crashing or hanging (`ImplementationFault`).
 FAULTS = ("crash", "hang")
 
@@ -138,7 +137,7 @@ def returned_rounding(
     these outputs are set for fp32 results: without this a correctly rounded bf16 loss of
     near-uniform rows (|z| << the loss, so no logit term covers it) failed. None for every other
     output and dtype (the gradients' entries grant their own dtype's rounding in the floor)."""
-    if returned is None or TOLERANCE_OUTPUT.get(output) not in FP32_RESULTS:
+    if returned is None or TOLERANCE_OUTPUT.get(output) not in CONTRACT_OUTPUTS:
         return None
     dtype = getattr(torch, returned.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or dtype.itemsize != 2:

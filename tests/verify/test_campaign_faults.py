@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import re
 import signal
@@ -25,7 +24,6 @@ from tests.helpers.campaign_jobs import SLOW_FIRST_S, STALL_FILE
 from verify.cases.spec import CaseSpec
 from verify.cli import EXIT_HARNESS, EXIT_INFRA, EXIT_SIGNAL, campaign_exit_code
 from verify.distributed import WorkerPool
-from verify.execution.deadline import RERUN_FACTOR, ExampleDeadline
 from verify.running import profiles
 from verify.running.campaign import run_campaign
 from verify.running.config import CampaignConfig
@@ -83,14 +81,6 @@ def test_a_worker_killed_mid_job_is_an_infrastructure_error(tp, tmp_path, monkey
     report = (tmp_path / "out" / "report.md").read_text()
     assert report.startswith("# ci campaign of lce-torch: INCOMPLETE (infrastructure")
     assert "1 infrastructure error(s)" in report
-
-
-def test_a_rerun_after_a_hang_gets_longer_within_the_search():
-    deadline = ExampleDeadline(4.0)
-    assert deadline.rerun_seconds(math.inf) == RERUN_FACTOR * 4.0
-    assert deadline.rerun_seconds(6.0) == 10.0  # the search's end plus one deadline
-    assert deadline.rerun_seconds(-1.0) == 4.0  # never shorter than a first attempt's
-    assert ExampleDeadline(4.0, fixed=True).rerun_seconds(math.inf) == 4.0  # the caller's word
 
 
 # The deadline's floor here: healthy cases take milliseconds (a 2 s deadline was once met by one

@@ -5,6 +5,7 @@ timeouts; `test_campaign_faults` and `test_crash_and_hang` run real ones."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -76,3 +77,11 @@ def test_the_rerun_ends_within_the_search_plus_one_deadline() -> None:
     runner.new_search(stop_at=time.monotonic() + 30.0)
     runner.run_job(JOB, {}, SPEC, _unused)
     assert pool.given[0] == 60.0 and 60.0 < pool.given[1] <= 90.0
+
+
+def test_a_rerun_after_a_hang_gets_longer_within_the_search():
+    deadline = ExampleDeadline(4.0)
+    assert deadline.rerun_seconds(math.inf) == RERUN_FACTOR * 4.0
+    assert deadline.rerun_seconds(6.0) == 10.0  # the search's end plus one deadline
+    assert deadline.rerun_seconds(-1.0) == 4.0  # never shorter than a first attempt's
+    assert ExampleDeadline(4.0, fixed=True).rerun_seconds(math.inf) == 4.0  # the caller's word

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,8 @@ from verify.cases.spec import CaseSpec
 from verify.distributed.errors import WorkerHung
 from verify.execution.deadline import RERUN_FACTOR, ExampleDeadline
 from verify.execution.runner import ImplementationFault, Runner
+from verify.results import artifacts
+from verify.running.replay import replay_deadline
 
 JOB = "scripted:job"  # never imported: the scripted pool answers for it
 SPEC = CaseSpec(tokens=2, vocab=3)
@@ -85,3 +88,20 @@ def test_a_rerun_after_a_hang_gets_longer_within_the_search():
     assert deadline.rerun_seconds(6.0) == 10.0  # the search's end plus one deadline
     assert deadline.rerun_seconds(-1.0) == 4.0  # never shorter than a first attempt's
     assert ExampleDeadline(4.0, fixed=True).rerun_seconds(math.inf) == 4.0  # the caller's word
+
+
+def _replay_deadline(directory: Path, **recorded: Any) -> tuple[dict[str, Any], ExampleDeadline]:
+    record = artifacts.make_record(SPEC, "differential", [], shrunk=True, **recorded)
+    return record, replay_deadline(artifacts.load(artifacts.write(record, directory)))
+
+
+def test_a_replay_keeps_the_deadline_its_artifact_was_found_under(tmp_path: Path) -> None:
+    """A hang found under a fixed deadline replays under it (no five-fold rerun); one found under
+    the rule takes it as its floor; an artifact without a deadline gets the rule."""
+    _, fixed = _replay_deadline(tmp_path, example_deadline_s=5.0, example_deadline_fixed=True)
+    assert fixed.seconds() == 5.0 and fixed.rerun_seconds(math.inf) == 5.0
+    record, ruled = _replay_deadline(tmp_path, example_deadline_s=5.0)
+    assert "example_deadline_fixed" not in record  # the key is written only where true
+    assert ruled.seconds() == 5.0 and ruled.rerun_seconds(math.inf) == RERUN_FACTOR * 5.0
+    _, default = _replay_deadline(tmp_path)
+    assert default.seconds() == ExampleDeadline().seconds() and not default.fixed

@@ -209,6 +209,7 @@ def make_record(
     tolerances: Tolerances | None = None,
     impl: Adapter | None = None,
     example_deadline_s: float | None = None,
+    example_deadline_fixed: bool = False,
 ) -> dict[str, Any]:
     """The artifact dict of a failure of property ``prop`` on ``spec`` (backend and TP from spec)
     by the implementation ``impl`` (None: lce).
@@ -216,7 +217,9 @@ def make_record(
     ``error`` carries an exception's one-line summary when the case raised instead of returning
     verdicts; ``mutant`` names a planted bug when the failure was found with one active;
     ``examples`` is how many examples the search ran before this failure;
-    ``example_deadline_s`` the per-example deadline then (a hang's replay waits as long).
+    ``example_deadline_s`` the per-example deadline then (a hang's replay waits as long);
+    ``example_deadline_fixed``: it was the caller's fixed one, not the growing rule (its replay
+    keeps it fixed: no longer rerun).
     """
     records = [verdict_record(v) for v in verdicts]
     outputs = [str(r.get("output")) for r in records]
@@ -236,6 +239,7 @@ def make_record(
         "mutant": mutant,
         "examples": examples,
         "example_deadline_s": example_deadline_s,
+        **({"example_deadline_fixed": True} if example_deadline_fixed else {}),
         "reference_sha256": reference_sha256(spec),
         "reference_output_sha256": reference_output_sha256(spec),
         "versions": versions(),

@@ -160,7 +160,7 @@ def replay(
     names = artifact.property_name.split(",")
     runs = []
     for _ in range(times):
-        runner = _RecordingRunner(pool, planted, adapter, _deadline(artifact))
+        runner = _RecordingRunner(pool, planted, adapter, replay_deadline(artifact))
         verdicts = check_case(spec, properties=names, runner=runner)
         runs.append(RunDigest([verdict_record(v) for v in verdicts], runner.digest.hexdigest()))
     return ReplayResult(
@@ -169,11 +169,13 @@ def replay(
     )  # fmt: skip
 
 
-def _deadline(artifact: Artifact) -> ExampleDeadline:
+def replay_deadline(artifact: Artifact) -> ExampleDeadline:
     """The per-example deadline the artifact was found under, as the floor (a hang's replay
-    waits as long as its search did), else the default rule."""
+    waits as long as its search did; a fixed one stays fixed), else the default rule."""
     recorded = artifact.record.get("example_deadline_s")
-    return ExampleDeadline(recorded) if recorded else ExampleDeadline()
+    if not recorded:
+        return ExampleDeadline()
+    return ExampleDeadline(recorded, fixed=bool(artifact.record.get("example_deadline_fixed")))
 
 
 def _key(verdict: dict[str, Any]) -> tuple[str, str, str]:

@@ -404,6 +404,7 @@ class SliceSearch:
             spec, ",".join(props), failing, shrunk=shrunk, device=self.config.device, error=error,
             mutant=self.config.mutant, examples=at, impl=self.adapter,
             example_deadline_s=self._deadline_of(failing),
+            example_deadline_fixed=self.runner is not None and self.runner.deadline.fixed,
         )  # fmt: skip
         self.unsaved = None
         if signature in self.signatures:  # a restarted search found the same failure class

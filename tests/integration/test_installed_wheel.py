@@ -63,6 +63,7 @@ def test_wheel_ships_the_one_tolerance_file_and_the_corpus(installed: Path) -> N
     assert not (ROOT / "verify" / "tolerances.yaml").exists()  # no copy in the tree to drift
 
 
+@pytest.mark.slow
 def test_installed_corpus_and_replay_run_from_elsewhere(installed: Path, tmp_path: Path) -> None:
     probe = [sys.executable, "-c", "import verify; print(verify.__file__)"]
     where = _ok(probe, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(installed)})
@@ -99,6 +100,7 @@ def test_installed_harness_takes_a_users_tolerance_file(installed: Path, tmp_pat
 EXAMPLE = ROOT / "docs" / "examples" / "verify_your_kernel"
 
 
+@pytest.mark.slow
 def test_installed_run_impl_and_pytest_plugin_verify_a_users_kernel(
     installed: Path, tmp_path: Path
 ) -> None:

@@ -49,6 +49,7 @@ def _counts(doc: dict) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow
 def test_torch_peer_through_its_adapter_under_ci_profile(tmp_path: Path) -> None:
     # 75 s: 62 examples in 60 s alone on 2 cores (2026-12-06), about half that beside the suite.
     doc = _campaign(tmp_path, "torch", budget_s=75.0, **TORCH_PASSING)
@@ -250,6 +251,7 @@ def test_malformed_adapter_names_the_field() -> None:
         Capabilities(reductions=("avg",))
 
 
+@pytest.mark.slow
 def test_pytest_plugin_runs_the_documented_example(pytester: pytest.Pytester) -> None:
     for path in EXAMPLE.glob("*.py"):
         shutil.copy(path, pytester.path / path.name)

@@ -36,6 +36,7 @@ def _untested(doc: dict) -> set[str]:
     return {f"{u['what']}: {u['reason']}" for u in doc["not_tested"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("outputs", materialized_impl.OUTPUT_SUBSETS, ids="+".join)
 def test_every_property_runs_or_is_skipped_for_every_output_subset(outputs, tmp_path) -> None:
     """A correct implementation computing any allowed subset of outputs passes: no property
@@ -48,6 +49,7 @@ def test_every_property_runs_or_is_skipped_for_every_output_subset(outputs, tmp_
     assert {"differential", "tied_untied"} <= _ran(doc)
 
 
+@pytest.mark.slow
 def test_per_token_only_adapter_passes_the_ci_profile(tmp_path) -> None:
     doc = _campaign(tmp_path, f"{MATERIALIZED}:per_token_only", max_examples=None)
     assert doc["passed"], [f["line"] for f in doc["failures"]]
@@ -91,6 +93,7 @@ def test_harness_error_has_its_own_exit_code(monkeypatch, tmp_path: Path) -> Non
     assert main(argv) == EXIT_HARNESS
 
 
+@pytest.mark.slow
 def test_declared_limits_are_never_called_outside_and_are_listed(tmp_path) -> None:
     """The kernel asserts its limits: a call outside them would fail as a refusal."""
     doc = _campaign(tmp_path, f"{MATERIALIZED}:limited")

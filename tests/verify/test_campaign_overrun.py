@@ -58,14 +58,17 @@ def _saved_unshrunk(doc: dict) -> None:
     assert messages and all("and was stopped" in m for m in messages)
 
 
+@pytest.mark.slow
 def test_a_search_stuck_after_its_failure_is_stopped_and_its_failure_saved(tmp_path):
     _saved_unshrunk(_campaign(tmp_path))
 
 
+@pytest.mark.slow
 def test_concurrent_searches_stuck_after_their_failures_stop_and_save(tmp_path):
     _saved_unshrunk(_campaign(tmp_path, "--searches", "2"))
 
 
+@pytest.mark.slow
 def test_a_search_that_ignores_its_stop_is_killed_and_reported(tmp_path):
     doc = _campaign(tmp_path, "--searches", "2", deaf=True)
     messages = [e["message"] for e in doc["errors"]]

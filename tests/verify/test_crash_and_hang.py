@@ -41,6 +41,7 @@ def _verify(*argv: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", sorted(KINDS))
 def test_a_hang_or_a_crash_is_a_finding_that_replays(impl: str, tmp_path: Path) -> None:
     out = tmp_path / "out"

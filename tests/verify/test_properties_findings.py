@@ -352,6 +352,7 @@ LINEARITY_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", LINEARITY_CASES.values(), ids=LINEARITY_CASES.keys())
 def test_upstream_linearity_grants_each_runs_d_logits_rounding(spec) -> None:
     # A false alarm on clean code: the three runs share their logits but each rounds its own

@@ -19,6 +19,7 @@ def pool():
         yield workers
 
 
+@pytest.mark.slow
 def test_every_mutant_is_killed(pool) -> None:
     rows = mutation_table(pool=pool, max_examples=MAX_EXAMPLES, shrink=False)
     table = format_table(rows)

@@ -84,7 +84,7 @@ def _launches(shape: str, tp: int) -> dict[str, tuple]:
     # As lce.autograd.token_grads builds them: fresh fp32 rows, bf16 grad_weight.
     rows = BackwardRows(*torch.empty(len(dataclasses.fields(BackwardRows)), num_tokens).unbind(0))
     grad_weight = torch.empty_like(weight)
-    chunks = stages._dlogits_chunks(num_tokens, weight, grad_weight, GPU_CONFIG, kept=False)
+    chunks = stages._dlogits_chunks(num_tokens, weight, grad_weight, GPU_CONFIG)
     for index in (0, len(chunks) - 1):
         chunk, buffer = chunks[index]
         backward_kernel.dlogits_chunk(

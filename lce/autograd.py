@@ -92,6 +92,7 @@ def token_grads(
     (summed over the TP group unless ``reduce_grad_hidden`` is False), grad_weight and grad_bias
     in weight's (on their rank)."""
     kernel_targets, stacked, *kept = saved
+    writable = {"kept_writable": last_backward()} if kept else {}
     merged = GlobalStats(*stacked.unbind(0))
     shard, logit = plan.shard, plan.options.logit
     active = kernel_targets != IGNORED
@@ -105,10 +106,19 @@ def token_grads(
     grads = plan.stages.backward_grads(
         hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, kernel_targets,
         shard.vocab_start, logit, rows, wanted, None if tp_sum else hidden.dtype, *kept,
+        **writable,
     )  # fmt: skip
     if grads.hidden is not None and tp_sum:
         reduce_grad_hidden(grads.hidden, shard.group)
     return cast_grads(grads, hidden, weight)
+
+
+def last_backward() -> bool:
+    """Whether the running backward is the last to read its saved tensors: the autograd engine
+    frees them after it (no ``retain_graph``), so kept logits may take the d_logits in place.
+    AOTAutograd asks the engine the same question to let a compiled backward reuse its saved
+    tensors' memory. False outside an engine's backward (a direct call of a backward op)."""
+    return not torch._C._autograd._get_current_graph_task_keep_graph()
 
 
 def cast_grads(grads: Grads, hidden: torch.Tensor, weight: torch.Tensor) -> Grads:

@@ -149,10 +149,12 @@ class StageBackend(Protocol):
         wanted: Wanted,
         grad_hidden_dtype: torch.dtype | None = None,
         kept: torch.Tensor | None = None,
+        kept_writable: bool = False,
     ) -> Grads:
         """Gradients of ``sum_t`` (upstream x token statistics) for the local shard; with
-        ``kept`` (`forward_stats`' dots, read only: a second backward reads them again) the
-        logits are not recomputed.
+        ``kept`` (`forward_stats`' dots) the logits are not recomputed. ``kept`` is read only
+        (a second backward reads it again) unless ``kept_writable``: no one reads it after this
+        backward, which may then write its d_logits there. The gradients are the same either way.
 
         ``d_z`` as `BackwardRows` spells it out, ``d_a = d_z * dz/da`` (``logit.dlogit_scale``
         times the cap's slope). Returns ``grad_hidden`` in fp32, or already in

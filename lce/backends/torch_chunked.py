@@ -82,9 +82,11 @@ class TorchChunkedStages:
         wanted: Wanted,
         grad_hidden_dtype: torch.dtype | None = None,
         kept: torch.Tensor | None = None,
+        kept_writable: bool = False,
     ) -> Grads:
         """Token chunks over the whole shard: each row of grad_hidden is one GEMM, written in
-        ``grad_hidden_dtype`` when that is weight's (its one rounding), else in fp32."""
+        ``grad_hidden_dtype`` when that is weight's (its one rounding), else in fp32. ``kept``
+        is read only (its dots are copied to fp32 either way), whatever ``kept_writable``."""
         rounded = grad_hidden_dtype == weight.dtype
         grads = _grad_buffers(hidden, weight, wanted, rounded)
         if weight.shape[0] == 0:

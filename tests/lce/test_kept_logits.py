@@ -9,11 +9,14 @@ logits are rounded to weight's dtype alike; Triton: against the reference under 
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 import lce
 from lce.backends.base import Wanted
+from lce.backends.torch_chunked import TorchChunkedStages
 from lce.call import Call, encode_call, keeps_logits
 from lce.options import LCEOptions
 from tests.helpers.checks import BACKENDS, DTYPES, assert_within_tolerance, core_problem
@@ -164,3 +167,68 @@ def test_a_budget_from_a_symbolic_token_count_compiles():
         expected = torch.autograd.grad(step(hidden, targets), (hidden, weight))
         for a, b in zip(got, expected, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 8])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_last_backward_may_write_over_the_kept_logits(backend, chunk_size, monkeypatch):
+    """A backward that retains the graph reads the kept logits and leaves them as they were; the
+    last one (the engine frees its saved tensors after it) is told it may write its d_logits
+    over them, which the Triton stage does (no d_logits buffer of its own). Both give the same
+    bits, and a second backward sees the first one's logits intact."""
+    problem = core_problem(T, H, V, seed=14, dtypes=DTYPES["fp32"], upstream="random")
+    hidden, weight, bias, targets = _leaves(problem)
+    told, in_place = [], []
+    stage_class = _stage_class(backend)
+    stage_backward = stage_class.backward_grads
+
+    def spy_backward(self, *args, **kwargs):
+        told.append(kwargs.get("kept_writable"))
+        return stage_backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(stage_class, "backward_grads", spy_backward)
+    if backend == "triton":
+        triton_stages = importlib.import_module("lce.backends.triton.stages")
+        row_dlogits = triton_stages.row_dlogits
+
+        def spy_rows(logits, out, *args, **kwargs):
+            in_place.append(out.data_ptr() == logits.data_ptr())
+            return row_dlogits(logits, out, *args, **kwargs)
+
+        monkeypatch.setattr(triton_stages, "row_dlogits", spy_rows)
+    out = lce.token_logprobs(
+        hidden, weight, targets, bias=bias, backend=backend, chunk_size=chunk_size,
+        keep_logits_bytes=_budget(hidden, weight), **OPTIONS,
+    )  # fmt: skip
+    objective = (out.logprobs * problem.grad_logprob.to(DEVICE)).sum()
+    objective = objective + (out.entropy * problem.grad_entropy.to(DEVICE)).sum()
+    first = torch.autograd.grad(objective, (hidden, weight, bias), retain_graph=True)
+    assert told == [False] and not any(in_place)
+    second = torch.autograd.grad(objective, (hidden, weight, bias))
+    assert told == [False, True]
+    if backend == "triton":
+        blocks = 1 if chunk_size is None else -(-T // chunk_size)
+        assert in_place == [False] * blocks + [True] * blocks
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b) and a.abs().sum() > 0
+
+
+def _stage_class(backend: str) -> type:
+    if backend == "torch":
+        return TorchChunkedStages
+    return importlib.import_module("lce.backends.triton").TritonStages
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_direct_call_of_the_backward_op_leaves_the_kept_logits_as_they_were(backend):
+    """Outside the autograd engine's backward (a test, an op check) no one says the kept logits
+    are free: the backward op only reads them."""
+    hidden, weight = torch.randn(T, H, device=DEVICE), torch.randn(V, H, device=DEVICE)
+    targets = torch.randint(0, V, (T,), device=DEVICE)
+    options = LCEOptions(backend=backend)
+    call = encode_call(Call("tokens", options, wanted=BOTH, keep_logits=True))
+    *_, ids, stats, kept = torch.ops.lce.fused(hidden, weight, None, targets, call)
+    before = kept.clone()
+    upstream = [torch.randn(T, device=DEVICE), torch.randn(T, device=DEVICE)]
+    torch.ops.lce.fused_backward(hidden, weight, None, targets, [ids, stats, kept], upstream, call)
+    assert torch.equal(kept, before)

@@ -298,7 +298,7 @@ def test_backward_dlogits_inside_grad_weight(dtype):
     tile = num_tokens * hidden.element_size() * 64
     config = small_config(chunk_bytes=2 * tile, aliased_chunk_bytes=3 * tile, tail_chunk_bytes=tile)
     free = torch.empty_like(weight)
-    chunks = stages_module._dlogits_chunks(num_tokens, weight, free, config, kept=False)
+    chunks = stages_module._dlogits_chunks(num_tokens, weight, free, config)
     assert [c.start for c, _ in chunks] == [0] + [c.stop for c, _ in chunks[:-1]]
     assert chunks[-1][0].stop == vocab
     inside = [d._base is free for _, d in chunks]
@@ -326,7 +326,7 @@ def test_dlogits_chunks_at_llama3_8k_stay_inside_grad_weight():
     (num_tokens, hidden_size, vocab), config = (8192, 4096, 128256), GPU_CONFIG
     weight = torch.empty(vocab, hidden_size, dtype=torch.bfloat16, device="meta")
     free = torch.empty_like(weight)
-    chunks = stages_module._dlogits_chunks(num_tokens, weight, free, config, kept=False)
+    chunks = stages_module._dlogits_chunks(num_tokens, weight, free, config)
     assert [c.start for c, _ in chunks] == [0] + [c.stop for c, _ in chunks[:-1]]
     assert chunks[-1][0].stop == vocab
     own = set()
@@ -340,24 +340,6 @@ def test_dlogits_chunks_at_llama3_8k_stay_inside_grad_weight():
     (buffer,) = own
     assert buffer.numel() * buffer.element_size() <= config.tail_chunk_bytes
     assert len(chunks) <= 22
-
-
-def test_dlogits_chunks_of_kept_logits_take_buffers_of_their_own():
-    """With kept logits (peak allowance 1.5x the gradients beyond them) the GPU config's chunks
-    at qwen2.5-16k are `kept_chunk_bytes` wide in one buffer of their own, not narrowing slivers
-    in grad_weight's rows: a few chunks, each one more fp32 pass over grad_hidden's sums."""
-    (num_tokens, hidden_size, vocab), config = (16384, 3584, 152064), GPU_CONFIG
-    weight = torch.empty(vocab, hidden_size, dtype=torch.bfloat16, device="meta")
-    free = torch.empty_like(weight)
-    recomputing = stages_module._dlogits_chunks(num_tokens, weight, free, config, kept=False)
-    kept = stages_module._dlogits_chunks(num_tokens, weight, free, config, kept=True)
-    assert [c.start for c, _ in kept] == [0] + [c.stop for c, _ in kept[:-1]]
-    assert kept[-1][0].stop == vocab
-    assert all(d._base is not free for _, d in kept)
-    assert len({id(d._base) for _, d in kept}) == 1
-    width = config.kept_chunk_bytes // (num_tokens * 2) // config.backward.block_v
-    assert kept[0][0].stop == width * config.backward.block_v
-    assert len(kept) == 13 and len(recomputing) > 2 * len(kept)
 
 
 @pytest.mark.parametrize(

@@ -66,8 +66,10 @@ class MutantStages:
     def bend_stats(self, stats: ShardStats, vocab_local: int, logit) -> ShardStats:
         return stats
 
-    def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, *rest):
-        return self.inner.backward_grads(hidden, weight, bias, targets, vocab_start, logit, *rest)
+    def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, *rest, **kw):
+        return self.inner.backward_grads(
+            hidden, weight, bias, targets, vocab_start, logit, *rest, **kw
+        )
 
     def loss_grads_in_forward(self, *args):
         # The planted bugs bend the two 4-GEMM stages; the 3-GEMM loss paths run unbent.
@@ -120,13 +122,15 @@ def _rows(fn):
     to bend the upstream gradients before the real backward."""
 
     class Bent(MutantStages):
-        def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, rows, *need):
+        def backward_grads(
+            self, hidden, weight, bias, targets, vocab_start, logit, rows, *need, **kw
+        ):
             g_lp, g_ent = fn(
                 rows.softmax_coef, rows.grad_entropy, targets, vocab_start, weight.shape[0]
             )
             bent = replace(rows, softmax_coef=g_lp, grad_entropy=g_ent)
             return self.inner.backward_grads(
-                hidden, weight, bias, targets, vocab_start, logit, bent, *need
+                hidden, weight, bias, targets, vocab_start, logit, bent, *need, **kw
             )
 
     return Bent
@@ -153,14 +157,16 @@ class Int32Wrap(MutantStages):
     def forward_stats(self, hidden, weight, *args):
         return super().forward_stats(self._wrapped(hidden, weight.shape[0]), weight, *args)
 
-    def backward_grads(self, hidden, weight, *args):
-        return super().backward_grads(self._wrapped(hidden, weight.shape[0]), weight, *args)
+    def backward_grads(self, hidden, weight, *args, **kw):
+        return super().backward_grads(self._wrapped(hidden, weight.shape[0]), weight, *args, **kw)
 
 
 class Bf16GradWeight(MutantStages):
     """grad_weight accumulated chunk by chunk in a bf16 buffer."""
 
-    def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, rows, wanted, *dt):
+    def backward_grads(
+        self, hidden, weight, bias, targets, vocab_start, logit, rows, wanted, *dt, **kw
+    ):
         grad_hidden_dtype, *kept = dt or (None,)  # kept logits: cut into the same chunks
         device = hidden.device
         grad_hidden = (
@@ -176,7 +182,7 @@ class Bf16GradWeight(MutantStages):
             r = slice(start, start + BUGGY_CHUNK)
             gh, gw, gb = self.inner.backward_grads(
                 hidden[r], weight, bias, targets[r], vocab_start, logit,
-                select_rows(rows, r), wanted, grad_hidden_dtype, *(k[r] for k in kept),
+                select_rows(rows, r), wanted, grad_hidden_dtype, *(k[r] for k in kept), **kw,
             )  # fmt: skip
             if gh is not None:
                 grad_hidden = grad_hidden.to(gh.dtype)
@@ -192,9 +198,11 @@ class KeptLogitsReused(MutantStages):
     """The kept logits' buffer handed back after the first backward (zeroed here; a caching
     allocator would hand it to the next tensor): a second backward (retain_graph) reads it."""
 
-    def backward_grads(self, hidden, weight, bias, targets, vocab_start, logit, rows, wanted, *dt):
+    def backward_grads(
+        self, hidden, weight, bias, targets, vocab_start, logit, rows, wanted, *dt, **kw
+    ):
         grads = self.inner.backward_grads(
-            hidden, weight, bias, targets, vocab_start, logit, rows, wanted, *dt
+            hidden, weight, bias, targets, vocab_start, logit, rows, wanted, *dt, **kw
         )
         _, *kept = dt or (None,)  # after grad_hidden's dtype, as in `Bf16GradWeight`
         for logits in kept:  # as a kernel writes memory: no autograd version bump
@@ -205,8 +213,8 @@ class KeptLogitsReused(MutantStages):
 class BiasGradDropped(MutantStages):
     """The bias enters the logits but its gradient comes back zero (the head's bias frozen)."""
 
-    def backward_grads(self, *args):
-        grads = self.inner.backward_grads(*args)
+    def backward_grads(self, *args, **kw):
+        grads = self.inner.backward_grads(*args, **kw)
         if grads.bias is None:
             return grads
         return grads._replace(bias=torch.zeros_like(grads.bias))

@@ -94,15 +94,6 @@ class TritonConfig:
     (token tile, split) items; compiled with TMA loads it is warp-specialized, so the loads of one
     item overlap the softmax epilogue of the last (H100 llama3-8k: 13.1 vs 13.9 ms, one GEMM
     11.8). False launches one program per item.
-    ``kept_chunk_bytes``: with kept logits, the backward's d_logits chunks are this wide, in a
-    buffer of their own (no chunk in grad_weight's rows). The kept path's peak allowance is 1.5x
-    the gradients beyond the logits, not the recomputing path's 1.15x, and fewer chunks mean fewer
-    fp32 passes over grad_hidden's sums. On an H100, mean loss fwd+bwd in interleaved rounds at
-    llama3-8k / qwen2.5-16k / gemma2-8k: the recomputing path's chunks (slivers, then 16 MiB)
-    39.5 / 87.3 / 48.7 ms; aliased chunks then 384 MiB ones 38.6 / 84.0 / 46.7; 512 MiB chunks of
-    their own 38.5 / 82.6 / 46.2, over the peak allowance at the first two shapes. 384 MiB of
-    their own (this config; peak 3.44 / 6.25 / 5.45 GiB, within it): 39.0 / 82.1 / 46.8 against
-    39.8 / 88.5 / 48.0 for 128 MiB of their own, in another run.
     ``loss_chunk_bytes``: most bytes of a logits chunk of the 3-GEMM loss (`loss_pass`), unless
     ``loss_peak_grads`` allows more: the chunk may take what that multiple of the call's gradient
     bytes (``(T + V_local) * H`` in weight's dtype) leaves beside the pass's fp32 grad_hidden
@@ -131,7 +122,6 @@ class TritonConfig:
     persistent: bool = True
     loss_chunk_bytes: int = 5 << 28
     loss_peak_grads: float = 0.0
-    kept_chunk_bytes: int = 128 << 20
 
     def __post_init__(self) -> None:
         if self.fp32_precision not in FP32_PRECISIONS:
@@ -140,8 +130,7 @@ class TritonConfig:
             )
         if self.tiles_per_program < 1:
             raise ValueError(f"tiles_per_program must be >= 1, got {self.tiles_per_program}")
-        sizes = ("chunk_bytes", "tail_chunk_bytes", "aliased_chunk_bytes", "loss_chunk_bytes",
-                 "kept_chunk_bytes")  # fmt: skip
+        sizes = ("chunk_bytes", "tail_chunk_bytes", "aliased_chunk_bytes", "loss_chunk_bytes")
         for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -168,7 +157,6 @@ INTERPRETER_CONFIG = TritonConfig(
     tiles_per_program=4,
     chunk_bytes=1 << 20,
     loss_chunk_bytes=1 << 20,
-    kept_chunk_bytes=1 << 20,
 )
 
 # Hopper (H100/H200) bf16, picked by benchmarks/kernel_gpu.py's sweep (see docs/bench/triton.md).
@@ -191,7 +179,6 @@ GPU_CONFIG = TritonConfig(
         block_t=128, block_v=128, block_h=64, group=16, num_warps=8, num_stages=3, block_h_fp32=32
     ),
     tiles_per_program=1,
-    kept_chunk_bytes=384 << 20,
     # Issue 33's peak target for the 3-GEMM loss is 1.5x the gradients; 0.05 of it is left for
     # the per-token statistics and the merge's temporaries.
     loss_peak_grads=1.45,

@@ -6,7 +6,8 @@ d_logits (the target lanes placed by `target_kernel`), then two GEMMs (`lce.back
 accumulate grad_hidden and write grad_weight in fp32 (grad_bias: the chunk's column sums). With
 ``chunk_size`` both run per block of tokens. With kept logits, the forward is a cuBLAS GEMM into
 them and `loss_kernels.row_stats_into`; the backward's d_logits come from them by
-`loss_kernels.row_dlogits`. The 3-GEMM loss (`loss_grads_in_forward`): per token
+`loss_kernels.row_dlogits` (over them, where no backward reads them again), then each gradient
+is one GEMM over the whole shard. The 3-GEMM loss (`loss_grads_in_forward`): per token
 chunk, a cuBLAS logits GEMM, the row kernels of `loss_kernels`, and the two gradient GEMMs.
 """
 
@@ -117,44 +118,85 @@ class TritonStages:
         wanted: Wanted,
         grad_hidden_dtype: torch.dtype | None = None,
         kept: torch.Tensor | None = None,
+        kept_writable: bool = False,
     ) -> Grads:
         """See `lce.backends.base.StageBackend.backward_grads` (grad_hidden comes back in
         ``grad_hidden_dtype`` when given). Workspace: one d_logits chunk, inside grad_weight's
         rows not written yet where they hold it (`_dlogits_chunks`), written by
-        `backward_kernel` (logits recomputed) or, from ``kept`` logits, by `row_dlogits`."""
+        `backward_kernel` (logits recomputed); from ``kept`` logits, `_grads_from_kept`."""
         _check_operands(hidden, weight, targets)
         num_tokens, config = hidden.shape[0], self._config()
         blocks = self._token_blocks(num_tokens)
+        empty = num_tokens == 0 or weight.shape[0] == 0 or not any(wanted)
+        if kept is not None and not empty:
+            return self._grads_from_kept(
+                hidden, weight, bias, targets, vocab_start, logit, rows, wanted,
+                grad_hidden_dtype, kept, kept_writable, blocks,
+            )  # fmt: skip
         grad_hidden, grads = self._grad_buffers(hidden, weight, wanted, grad_hidden_dtype, blocks)
-        if num_tokens == 0 or weight.shape[0] == 0 or not any(wanted):
+        if empty:
             return grads._replace(hidden=_result(grad_hidden))
         free_rows = grads.weight if len(blocks) == 1 and grads.weight is not None else None
-        chunks = _dlogits_chunks(blocks[0].stop, weight, free_rows, config, kept is not None)
+        chunks = _dlogits_chunks(blocks[0].stop, weight, free_rows, config)
         rows = _scaled(rows, logit.dlogit_scale)
         targets, bias = targets.contiguous(), _contiguous(bias)
         for block in blocks:
             block_hidden = hidden[block]
-            if kept is None:
-                target_values = target_dlogits(
-                    block_hidden, weight, bias, targets[block], vocab_start, logit, config,
-                    rows.target_grad[block],
-                )  # fmt: skip
+            target_values = target_dlogits(
+                block_hidden, weight, bias, targets[block], vocab_start, logit, config,
+                rows.target_grad[block],
+            )  # fmt: skip
             for chunk, buffer in chunks:
                 d_logits = buffer[: block.stop - block.start]
                 bias_chunk = None if bias is None else bias[chunk]
-                block_rows, start = select_rows(rows, block), vocab_start + chunk.start
-                if kept is None:
-                    dlogits_chunk(
-                        block_hidden, weight[chunk], bias_chunk, targets[block], start, logit,
-                        block_rows, target_values, d_logits, config,
-                    )  # fmt: skip
-                else:
-                    row_dlogits(
-                        kept[block, chunk], d_logits, bias_chunk, targets[block], start, logit,
-                        block_rows, entropy=True,
-                    )  # fmt: skip
+                dlogits_chunk(
+                    block_hidden, weight[chunk], bias_chunk, targets[block],
+                    vocab_start + chunk.start, logit, select_rows(rows, block), target_values,
+                    d_logits, config,
+                )  # fmt: skip
                 _accumulate(d_logits, block_hidden, weight, block, chunk, grads, grad_hidden)
         return grads._replace(hidden=_result(grad_hidden))
+
+    def _grads_from_kept(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        vocab_start: int,
+        logit: LogitOptions,
+        rows: BackwardRows,
+        wanted: Wanted,
+        grad_hidden_dtype: torch.dtype | None,
+        kept: torch.Tensor,
+        kept_writable: bool,
+        blocks: list[slice],
+    ) -> Grads:
+        """`backward_grads` from ``kept`` logits: per token block, `row_dlogits` writes the whole
+        shard's d_logits over the block's kept logits (``kept_writable``) or into a buffer of the
+        block's size (the same numbers either way), then grad_hidden's rows are one GEMM over the
+        shard, rounded once to ``grad_hidden_dtype`` (no fp32 sums across vocab chunks), and
+        grad_weight and grad_bias take the block as `_accumulate` does."""
+        (num_tokens, hidden_size), vocab = hidden.shape, slice(0, weight.shape[0])
+        _, grads = self._grad_buffers(hidden, weight, wanted._replace(hidden=False), None, blocks)
+        if wanted.hidden:
+            dtype = grad_hidden_dtype or torch.float32
+            grads = grads._replace(
+                hidden=torch.empty(num_tokens, hidden_size, dtype=dtype, device=hidden.device)
+            )
+        rows = _scaled(rows, logit.dlogit_scale)
+        targets, bias = targets.contiguous(), _contiguous(bias)
+        buffer = None if kept_writable else torch.empty_like(kept[blocks[0]])
+        for block in blocks:
+            block_d_logits = kept[block] if buffer is None else buffer[: block.stop - block.start]
+            row_dlogits(
+                kept[block], block_d_logits, bias, targets[block], vocab_start, logit,
+                select_rows(rows, block), entropy=True,
+            )  # fmt: skip
+            if grads.hidden is not None:
+                mm_into(block_d_logits, weight, out=grads.hidden[block])
+            _accumulate(block_d_logits, hidden[block], weight, block, vocab, grads, None)
+        return grads
 
     def _grad_buffers(
         self,
@@ -341,12 +383,10 @@ def _dlogits_chunks(
     weight: torch.Tensor,
     grad_weight: torch.Tensor | None,
     config: TritonConfig,
-    kept: bool,
 ) -> list[tuple[slice, torch.Tensor]]:
     """The backward's vocab chunks in order, each with its ``[num_tokens, width]`` d_logits buffer.
 
-    Chunks are ``chunk_bytes`` wide (``kept_chunk_bytes`` from ``kept`` logits, always in a
-    buffer of their own). Otherwise, with ``grad_weight`` (written chunk by chunk, in order) in
+    Chunks are ``chunk_bytes`` wide. With ``grad_weight`` (written chunk by chunk, in order) in
     weight's dtype, a chunk's buffer lies in grad_weight's rows past the chunk, not written yet:
     no buffer of its own, so chunks there are up to ``aliased_chunk_bytes`` wide. The chunks
     narrow as those rows run out; once a ``tail_chunk_bytes`` chunk no longer fits there, a
@@ -357,11 +397,9 @@ def _dlogits_chunks(
     def width(budget: int) -> int:
         return chunk_width(num_tokens, vocab_local, weight.element_size(), budget, block_v)
 
-    widest = width(config.kept_chunk_bytes if kept else config.chunk_bytes)
+    widest = width(config.chunk_bytes)
     tail = width(config.tail_chunk_bytes)
-    inside = (
-        not kept and grad_weight is not None and grad_weight.dtype == weight.dtype and tail < widest
-    )
+    inside = grad_weight is not None and grad_weight.dtype == weight.dtype and tail < widest
     if inside:
         widest = width(max(config.chunk_bytes, config.aliased_chunk_bytes))
     else:

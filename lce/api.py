@@ -72,9 +72,11 @@ def token_logprobs(
             Where this rank's ``[T, V_local]`` logits in weight's dtype fit (``T * V_local *
             itemsize <= keep_logits_bytes``) and a gradient is wanted, the forward keeps them
             and the backward does not recompute them: 3 GEMMs instead of 4, at that much more
-            memory until backward. The softmax then sees the logits rounded to weight's dtype,
-            as the stock path's and the torch backend's always do (the Triton backend otherwise
-            takes fp32 dots).
+            memory until backward, which writes its d_logits over them (Triton). A backward
+            with ``retain_graph=True`` leaves them for the next one and takes a d_logits buffer
+            of their size (of one ``chunk_size`` block's with it). The softmax then sees the
+            logits rounded to weight's dtype, as the stock path's and the torch backend's always
+            do (the Triton backend otherwise takes fp32 dots).
         Under TP every rank passes the same tokens, the same options and either all or none pass
         ``vocab_start``; ranks that disagree, or any rank whose arguments are rejected, make
         every rank raise before any per-token collective.

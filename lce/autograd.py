@@ -92,7 +92,6 @@ def token_grads(
     (summed over the TP group unless ``reduce_grad_hidden`` is False), grad_weight and grad_bias
     in weight's (on their rank)."""
     kernel_targets, stacked, *kept = saved
-    writable = {"kept_writable": last_backward()} if kept else {}
     merged = GlobalStats(*stacked.unbind(0))
     shard, logit = plan.shard, plan.options.logit
     active = kernel_targets != IGNORED
@@ -106,7 +105,7 @@ def token_grads(
     grads = plan.stages.backward_grads(
         hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, kernel_targets,
         shard.vocab_start, logit, rows, wanted, None if tp_sum else hidden.dtype, *kept,
-        **writable,
+        kept_writable=bool(kept) and last_backward(),
     )  # fmt: skip
     if grads.hidden is not None and tp_sum:
         reduce_grad_hidden(grads.hidden, shard.group)
